@@ -1,0 +1,5 @@
+import sys
+
+from moestream.cli import main
+
+sys.exit(main())

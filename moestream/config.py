@@ -1,0 +1,217 @@
+"""Frozen configuration: the model's geometry from its HF config, and the engine's knobs.
+
+`ModelConfig.from_hf` reads a transformers `config.json` (text config of multimodal models included),
+normalises field aliases across versions, and refuses any field that changes the math but that the
+engine does not implement. Nothing here touches weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from moestream.errors import UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen4_exp")
+_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen4_exp_text": "qwen4_exp"}
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen4_exp")  # DeltaNet + gated attention
+
+
+def normalise_model_type(model_type: str | None) -> str:
+    mt = _TYPE_ALIASES.get(model_type or "", model_type or "")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return mt
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of an HF config (multimodal configs nest it under `text_config`)."""
+    if isinstance(hf.get("text_config"), dict):
+        merged = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+        merged.update(hf["text_config"])
+        merged["model_type"] = hf["text_config"].get("model_type", hf.get("model_type"))
+        return merged
+    return dict(hf)
+
+
+def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (only default rotary)")
+    return rope
+
+
+def _layer_types(cfg: dict[str, Any], mt: str, n: int) -> tuple[str, ...]:
+    if mt in ("qwen3_moe", "qwen2_moe"):
+        return ("full_attention",) * n
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise UnsupportedModelError(f"layer_types has {len(types)} entries for {n} layers")
+    known = {"linear_attention", "full_attention", "indexed_attention"}
+    if bad := sorted(set(types) - known):
+        raise UnsupportedModelError(f"unsupported layer_types {bad}")
+    if mt != "qwen4_exp" and "indexed_attention" in types:
+        raise UnsupportedModelError(f"{mt} has no indexed_attention layers")
+    return tuple(types)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    layer_types: tuple[str, ...]
+    moe_layers: tuple[bool, ...]  # per decoder layer: routed experts (True) or a dense MLP
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int  # dense MLP width (mlp_only / non-sparse layers)
+    shared_expert_intermediate_size: int  # 0 when the model has no shared expert
+    norm_topk_prob: bool
+    eos_token_ids: tuple[int, ...]
+    # Gated DeltaNet (hybrid models)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    output_gate_type: str = "sigmoid"
+    # qwen4_exp: hyper-connections, PLE n-gram embeddings, QSA indexer
+    hc_count: int = 1
+    hc_lowrank: int = 0
+    ple_layer_ids: tuple[int, ...] = ()  # zero-based layer indices
+    ple_embed_dim: int = 0
+    ple_conv_kernel_size: int = 0
+    ngram_size: int = 0
+    heads_per_ngram: int = 0
+    indexer_n_heads: int = 0
+    indexer_head_dim: int = 0
+    indexer_budget: int = 0
+    indexer_compress_ratio: int = 0
+    mtp_num_hidden_layers: int = 0
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
+
+    @property
+    def num_record_layers(self) -> int:
+        """Expert record layers: every MoE decoder layer, then each MTP layer."""
+        return len(self.moe_layer_ids) + self.mtp_num_hidden_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.model_type in HYBRID_TYPES
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        cfg = text_config(hf)
+        mt = normalise_model_type(cfg.get("model_type"))
+        n = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope = _rope(cfg)
+        num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+        if num_experts <= 0:
+            raise UnsupportedModelError(f"{mt} config has no routed experts (num_experts = {num_experts})")
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedModelError("use_sliding_window is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(n))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if mt != "qwen3_moe" else 0
+        qkv_bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", mt == "qwen2_moe")))
+        default_topk_norm = mt in ("qwen3_5_moe", "qwen4_exp")
+        kwargs: dict[str, Any] = dict(
+            model_type=mt,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope["rope_theta"]),
+            partial_rotary_factor=float(rope["partial_rotary_factor"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            layer_types=_layer_types(cfg, mt, n),
+            moe_layers=moe_layers,
+            num_experts=num_experts,
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
+            shared_expert_intermediate_size=shared,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", default_topk_norm)) or default_topk_norm,
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", 0) or 0),
+            raw=cfg,
+        )
+        if mt in HYBRID_TYPES:
+            kwargs.update(
+                linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+                linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+                linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+                linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+                linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+                output_gate_type=str(cfg.get("output_gate_type") or "sigmoid"),
+            )
+        if mt == "qwen4_exp":
+            kwargs.update(_qwen4_fields(cfg, hidden))
+        if not any(moe_layers):
+            raise UnsupportedModelError("no decoder layer has routed experts")
+        if any(not m for m in moe_layers) and not kwargs["intermediate_size"]:
+            raise UnsupportedModelError("dense MLP layers need intermediate_size")
+        return cls(**kwargs)
+
+
+def _qwen4_fields(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
+    ple_ids = sorted(set(cfg.get("ple_layer_ids") or []))
+    out: dict[str, Any] = dict(
+        hc_count=int(cfg.get("hc_count", 4)),
+        hc_lowrank=int(cfg.get("hc_lowrank", 320)),
+        ple_layer_ids=tuple(i - 1 for i in ple_ids),  # config ids are one-based
+        ple_embed_dim=int(cfg.get("ple_embed_dim") or hidden),
+        ple_conv_kernel_size=int(cfg.get("ple_conv_kernel_size", 4)),
+        ngram_size=int(cfg.get("ngram_size", 3)),
+        heads_per_ngram=int(cfg.get("heads_per_ngram", 8)),
+    )
+    if out["hc_count"] <= 1:
+        raise UnsupportedModelError(f"qwen4_exp needs hc_count > 1, got {out['hc_count']}")
+    if cfg.get("indexer_n_heads") is not None:
+        if cfg.get("indexer_kv_heads", 1) != 1:
+            raise UnsupportedModelError("QSA needs indexer_kv_heads = 1")
+        out.update(
+            indexer_n_heads=int(cfg["indexer_n_heads"]),
+            indexer_head_dim=int(cfg["indexer_head_dim"]),
+            indexer_budget=int(cfg["indexer_budget"]),
+            indexer_compress_ratio=int(cfg["indexer_compress_ratio"]),
+        )
+    return out

@@ -1,0 +1,21 @@
+"""User-facing errors: each one prints as a single line and exits non-zero (or answers 4xx)."""
+
+
+class MoestreamError(Exception):
+    """An error the user can cause and fix; the CLI prints `error: <message>` and nothing else."""
+
+
+class SourceError(MoestreamError):
+    """A checkpoint folder that cannot be packed (missing, incomplete, unsupported)."""
+
+
+class StoreError(MoestreamError):
+    """A store that is missing, unfinished, truncated, altered or from another version."""
+
+
+class UnsupportedModelError(MoestreamError):
+    """A model type or config field that the engine does not run."""
+
+
+class BudgetError(MoestreamError):
+    """A memory budget too small for one step."""

@@ -1,0 +1,1 @@
+"""Quantization: MLX affine formats, pack-time quantizers and the torch reference dequantizers."""

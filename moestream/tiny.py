@@ -1,0 +1,84 @@
+"""Tiny random checkpoints of every supported model type, built offline with transformers.
+
+Used by the tests (transformers is the oracle), the demo and the benchmarks. Sizes are multiples
+of 64 so that Q4 packing applies. Weights are random: say so wherever their output is shown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+_HYBRID: dict[str, Any] = dict(
+    head_dim=16, shared_expert_intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, intermediate_size=128, norm_topk_prob=True)),
+    "qwen2_moe": ("qwen2_moe", dict(intermediate_size=128, shared_expert_intermediate_size=64)),
+    "qwen3_next": ("qwen3_next", dict(_HYBRID, intermediate_size=128)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(_HYBRID)),
+    "qwen4_exp": ("qwen4_exp_text", dict(
+        _HYBRID, hc_count=2, hc_lowrank=16, ple_layer_ids=[1], ple_embed_dim=64, ngram_size=3,
+        heads_per_ngram=2, ngram_vocab_size_base=1000, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+        eos_token_id=1,
+    )),
+}
+
+
+def tiny_config(model_type: str, **overrides: Any):
+    from transformers import AutoConfig
+
+    hf_type, extra = TINY_CONFIGS[model_type]
+    kwargs = {**_COMMON, **extra, **overrides}
+    return AutoConfig.for_model(hf_type, **kwargs)
+
+
+def make_tiny_checkpoint(path: str, model_type: str, seed: int = 0, dtype: str = "bfloat16",
+                         **overrides: Any) -> str:
+    """Build a random model from a tiny config and `save_pretrained` it to `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # random norms and gates, so that every weight matters
+        for name, p in model.named_parameters():
+            if p.ndim == 1 or "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if "norm" not in name else 0.5))
+    model.save_pretrained(path)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if "layer_types" in cfg:  # every transformers 5.x reads "full_attention"; newer ones also write others
+        cfg["layer_types"] = ["linear_attention" if t == "linear_attention" else "full_attention"
+                              for t in cfg["layer_types"]]
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m moestream.tiny", description="write a tiny random checkpoint")
+    p.add_argument("out")
+    p.add_argument("--model-type", default="qwen3_moe", choices=sorted(TINY_CONFIGS))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    make_tiny_checkpoint(args.out, args.model_type, seed=args.seed)
+    print(f"wrote a tiny random {args.model_type} checkpoint to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
