@@ -1,8 +1,8 @@
 """House rules a machine can check: file size, lint, and the one-way import direction."""
 
 import ast
-import pathlib
 import importlib.util
+import pathlib
 import subprocess
 import sys
 
@@ -30,8 +30,8 @@ def test_no_source_file_passes_500_lines():
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
 def test_ruff_is_clean():
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "moestream", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
-                         text=True)
+    cmd = [sys.executable, "-m", "ruff", "check", "moestream", "tests", "benchmarks"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:]
 
 
