@@ -78,6 +78,7 @@ class ModelConfig:
     partial_rotary_factor: float
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool
     layer_types: tuple[str, ...]
     moe_layers: tuple[bool, ...]  # per decoder layer: routed experts (True) or a dense MLP
     num_experts: int
@@ -147,7 +148,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if mt != "qwen3_moe" else 0
-        qkv_bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", mt == "qwen2_moe")))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        qkv_bias = bool(cfg.get("qkv_bias", True)) if mt == "qwen2_moe" else attention_bias
         default_topk_norm = mt in ("qwen3_5_moe", "qwen4_exp")
         kwargs: dict[str, Any] = dict(
             model_type=mt,
@@ -162,6 +164,7 @@ class ModelConfig:
             partial_rotary_factor=float(rope["partial_rotary_factor"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            o_bias=attention_bias and mt != "qwen2_moe",
             layer_types=_layer_types(cfg, mt, n),
             moe_layers=moe_layers,
             num_experts=num_experts,

@@ -1,0 +1,57 @@
+"""Grouping a step's (row, k) routing entries by expert: the CSR that both the residency decisions and
+the expert kernels read. Stable, so each expert's rows keep their order whatever is resident."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.experts.format import RecordLayout
+
+
+@dataclass(frozen=True)
+class Grouping:
+    experts: list[int]  # distinct experts, ascending
+    counts: list[int]  # routing entries per expert
+    offsets: list[int]  # len(experts) + 1 CSR offsets into `order`
+    order: torch.Tensor  # [T * K] flat (row * K + k) indices, grouped by expert (device of the ids)
+
+
+def group_by_expert(topk_ids: torch.Tensor) -> Grouping:
+    """topk_ids [T, K] -> grouping. One small device-to-host copy of the ids."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique(flat.cpu(), sorted=True, return_counts=True)
+    offsets = [0]
+    for c in counts.tolist():
+        offsets.append(offsets[-1] + c)
+    return Grouping(experts.tolist(), counts.tolist(), offsets, order)
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    """Experts ready to compute: their records sit in `buffer[slots[j]]`; expert j owns the flat routing
+    entries `order[offsets[j]:offsets[j+1]]`. The consumer may read the buffer as soon as it gets the
+    batch (the provider has made the compute stream wait for the copies)."""
+
+    buffer: torch.Tensor  # [num_slots, stride] uint8
+    layout: RecordLayout
+    experts: list[int]
+    slots: list[int]
+    offsets: list[int]
+    order: torch.Tensor
+
+
+def batch_of(grouping: Grouping, index: list[int], buffer: torch.Tensor, layout: RecordLayout,
+             slots: list[int]) -> ExpertBatch:
+    """The sub-batch of `grouping` made of experts at positions `index`, with their slots."""
+    if index == list(range(len(grouping.experts))):
+        return ExpertBatch(buffer, layout, grouping.experts, slots, grouping.offsets, grouping.order)
+    parts, offsets = [], [0]
+    for j in index:
+        a, b = grouping.offsets[j], grouping.offsets[j + 1]
+        parts.append(grouping.order[a:b])
+        offsets.append(offsets[-1] + b - a)
+    order = torch.cat(parts) if len(parts) != 1 else parts[0]
+    return ExpertBatch(buffer, layout, [grouping.experts[j] for j in index], slots, offsets, order)

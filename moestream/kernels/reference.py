@@ -1,0 +1,104 @@
+"""Pure-torch reference of every kernel op: the CPU path and the oracle for the Triton versions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moestream.experts.format import RecordLayout
+from moestream.quant.affine import dequantize
+
+
+def expert_weights(record: torch.Tensor, layout: RecordLayout, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """One record's bytes -> (gate [I, H], up [I, H], down [H, I]) in `dtype`."""
+    v = layout.views(record)
+    if layout.bits == 16:
+        return tuple(v[f"{p}_w"].to(dtype) for p in ("gate", "up", "down"))
+    return tuple(dequantize(v[f"{p}_w"], v[f"{p}_s"], v[f"{p}_b"], layout.bits, layout.group_size).to(dtype)
+                 for p in ("gate", "up", "down"))
+
+
+def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
+                 offsets: list[int], order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
+    """Experts `slots[j]` (records in `buffer`) over their rows; writes each (row, k) output once.
+
+    x [T, H]; order [M] flat (row * top_k + k) indices grouped by expert, expert j owning
+    order[offsets[j]:offsets[j+1]]; out [T * top_k, H] receives the unweighted expert outputs.
+    """
+    for j, slot in enumerate(slots):
+        flat = order[offsets[j]: offsets[j + 1]]
+        gate, up, down = expert_weights(buffer[slot], layout, x.dtype)
+        rows = x[flat // top_k]
+        out[flat] = (F.silu(rows @ gate.T) * (rows @ up.T)) @ down.T
+
+
+def combine_topk(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T, K, H] unweighted expert outputs, weights [T, K] -> [T, H], summed in k order."""
+    out = y[:, 0] * weights[:, :1]
+    for k in range(1, y.shape[1]):
+        out = out + y[:, k] * weights[:, k: k + 1]
+    return out
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x [T, C], state [K-1, C] (previous inputs), weight [C, 1, K].
+
+    Returns (out [T, C], new state [K-1, C])."""
+    full = torch.cat([state.to(x.dtype), x], dim=0)
+    out = F.conv1d(full.T[None], weight.to(x.dtype), groups=x.shape[1])[0].T
+    return F.silu(out), full[full.shape[0] - state.shape[0]:]
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule over T tokens. q, k [T, Hv, Dk] (before l2norm), v [T, Hv, Dv], g and beta [T, Hv],
+    state [Hv, Dk, Dv] fp32. Returns (out [T, Hv, Dv] fp32, final state).
+
+    Per token: S = exp(g) S; S += k (beta (v - k^T S))^T; o = q^T S. Chunks of `chunk` tokens solve the
+    within-chunk updates as one triangular system (the UT transform), so the loop runs per chunk.
+    """
+    dk = q.shape[-1]
+    q = _l2norm(q.float()) * dk ** -0.5
+    k, v, g, beta = _l2norm(k.float()), v.float(), g.float(), beta.float()
+    if q.shape[0] == 1:
+        return _delta_step(q[0], k[0], v[0], g[0], beta[0], state)
+    t = q.shape[0]
+    pad = (-t) % chunk
+    q, k, v = (F.pad(a, (0, 0, 0, 0, 0, pad)) for a in (q, k, v))
+    g, beta = F.pad(g, (0, 0, 0, pad)), F.pad(beta, (0, 0, 0, pad))
+    n = (t + pad) // chunk
+    # [heads, chunks, C, ...]
+    q, k, v = (a.view(n, chunk, *a.shape[1:]).permute(2, 0, 1, 3) for a in (q, k, v))
+    g, beta = (a.view(n, chunk, -1).permute(2, 0, 1) for a in (g, beta))
+    cum = g.cumsum(-1)  # log decay from the chunk start, inclusive
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    kb = k * beta[..., None]
+    # Strictly lower part of (beta k k^T * decay); `unitriangular` ignores the diagonal.
+    system = (kb @ k.transpose(-1, -2)) * decay
+    rhs = torch.cat([v * beta[..., None], kb * cum.exp()[..., None]], dim=-1)
+    solve = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solve.split([v.shape[-1], k.shape[-1]], dim=-1)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()
+    s = state.float()
+    out = torch.empty_like(u)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + attn[:, i] @ v_new
+        s = s * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    out = out.permute(1, 2, 0, 3).reshape(n * chunk, -1, v.shape[-1])[:t]
+    return out, s
+
+
+def _delta_step(q, k, v, g, beta, state):
+    """One token: q, k [Hv, Dk], v [Hv, Dv], g, beta [Hv]."""
+    s = state.float() * g.exp()[:, None, None]
+    delta = (v - (k[:, :, None] * s).sum(1)) * beta[:, None]
+    s = s + k[:, :, None] * delta[:, None, :]
+    return (q[:, :, None] * s).sum(1)[None], s

@@ -1,0 +1,1 @@
+"""Model building blocks in plain PyTorch: norms, rotary, attention, Gated DeltaNet, MLP, MoE."""

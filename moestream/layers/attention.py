@@ -1,0 +1,93 @@
+"""Softmax attention with a KV cache: GQA, optional q/k RMSNorm, qkv bias, and the sigmoid output gate
+of the hybrid models (their q_proj emits a query and a gate per head)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.config import ModelConfig
+from moestream.layers.norm import RMSNorm
+from moestream.layers.rotary import apply_rotary
+
+
+class KVCache:
+    """One layer's keys and values for one sequence: [capacity, kv_heads, head_dim], grown by doubling."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 64):
+        self.k = torch.empty(capacity, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[0]
+        if end > self.k.shape[0]:
+            grow = max(end, 2 * self.k.shape[0])
+            self.k = torch.cat([self.k[: self.length], self.k.new_empty(grow - self.length, *self.k.shape[1:])])
+            self.v = torch.cat([self.v[: self.length], self.v.new_empty(grow - self.length, *self.v.shape[1:])])
+        self.k[self.length: end] = k
+        self.v[self.length: end] = v
+        self.length = end
+        return self.k[:end], self.v[:end]
+
+    def snapshot(self) -> KVCache:
+        out = KVCache.__new__(KVCache)
+        out.k, out.v, out.length = self.k[: self.length].clone(), self.v[: self.length].clone(), self.length
+        return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] (the last T of L positions); k, v [L, Hkv, D] -> [T, Hq, D]."""
+    t, length = q.shape[0], k.shape[0]
+    mask = None
+    if t > 1:
+        mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, qk_norm: bool, output_gate: bool, zero_centered: bool):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.output_gate = output_gate
+        self.q_proj = nn.Linear(h, self.heads * d * (2 if output_gate else 1), bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=cfg.o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
+        self.qk_norm = qk_norm
+
+    def new_state(self, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache(self.kv_heads, self.head_dim, dtype, device)
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """x [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], gate [T, Hq*D] or None."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, -1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(t, -1)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+    def finish(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        out = out.reshape(out.shape[0], -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
+        q, k, v, gate = self.project(x, rope)
+        keys, values = cache.append(k, v)
+        return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)

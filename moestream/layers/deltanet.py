@@ -1,0 +1,84 @@
+"""Gated DeltaNet (the linear-attention layers of the hybrid models), with conv and recurrent state.
+
+Two projection layouts: qwen3_next fuses `in_proj_qkvz` / `in_proj_ba` grouped per key head;
+qwen3_5_moe and qwen4_exp use separate `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.config import ModelConfig
+from moestream.kernels import ops
+from moestream.layers.norm import GatedRMSNorm
+
+
+@dataclass
+class DeltaNetState:
+    conv: torch.Tensor  # [K-1, conv_dim]: the last inputs of the causal conv
+    recurrent: torch.Tensor  # [Hv, Dk, Dv] fp32
+
+    def snapshot(self) -> DeltaNetState:
+        return DeltaNetState(self.conv.clone(), self.recurrent.clone())
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, fused_qkvz: bool, gate_activation: str = "silu"):
+        super().__init__()
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.fused = fused_qkvz
+        h = cfg.hidden_size
+        if fused_qkvz:
+            self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * self.nv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+            self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel))
+        self.A_log = nn.Parameter(torch.empty(self.nv))
+        self.dt_bias = nn.Parameter(torch.empty(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, gate_activation)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def new_state(self, dtype: torch.dtype, device: torch.device) -> DeltaNetState:
+        return DeltaNetState(torch.zeros(self.kernel - 1, self.conv_dim, dtype=dtype, device=device),
+                             torch.zeros(self.nv, self.dk, self.dv, dtype=torch.float32, device=device))
+
+    def _project(self, x: torch.Tensor):
+        """x [T, H] -> mixed qkv [T, conv_dim], z [T, Hv, Dv], b, a [T, Hv]."""
+        t = x.shape[0]
+        if not self.fused:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, self.nv, self.dv),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        per = self.nv // self.nk  # value heads per key head
+        qkvz = self.in_proj_qkvz(x).view(t, self.nk, 2 * self.dk + 2 * per * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.nk, 2 * per).split([per, per], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
+
+    def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        mixed, state.conv = ops.causal_conv1d(mixed, state.conv, self.conv1d.weight)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        per = self.nv // self.nk  # each key head serves `per` consecutive value heads
+        q = q.reshape(t, self.nk, self.dk).repeat_interleave(per, dim=1)
+        k = k.reshape(t, self.nk, self.dk).repeat_interleave(per, dim=1)
+        v = v.reshape(t, self.nv, self.dv)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out, state.recurrent = ops.gated_delta_rule(q, k, v, g, beta, state.recurrent)
+        out = self.norm(out.to(x.dtype), z)
+        return self.out_proj(out.reshape(t, -1))

@@ -1,0 +1,43 @@
+"""The sparse MoE block: route, ask the expert provider for batches of resident experts, compute each
+batch, then combine every token's top-k outputs in k order (so nothing depends on residency)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moestream.config import ModelConfig
+from moestream.kernels import ops
+from moestream.layers.mlp import MLP
+
+
+def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype):
+    """Router logits [T, E] -> (weights [T, K] in `dtype`, expert ids [T, K]); softmax in fp32."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_slot: int, shared_expert: bool):
+        super().__init__()
+        self.layer_slot, self.top_k, self.normalise = layer_slot, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        if shared_expert:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.has_shared = shared_expert
+        self.provider = None  # set by the engine: the one seam to the expert subsystem
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, h = x.shape
+        weights, ids = route(self.gate(x), self.top_k, self.normalise, x.dtype)
+        y = x.new_empty(t * self.top_k, h)
+        for b in self.provider.batches(self.layer_slot, ids, x):
+            ops.expert_group(x, b.buffer, b.slots, b.layout, b.offsets, b.order, self.top_k, y)
+        out = ops.combine_topk(y.view(t, self.top_k, h), weights)
+        if self.has_shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
