@@ -218,3 +218,30 @@ def _qwen4_fields(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
             indexer_compress_ratio=int(cfg["indexer_compress_ratio"]),
         )
     return out
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """How routed experts are kept and streamed (DESIGN.md section 3)."""
+
+    precision: str = "q4"  # "q4", "q3", "q2" or "bf16"
+    pool_gb: float | None = None  # GPU pool budget in decimal GB; None = automatic
+    host_gb: float = 0.0  # pinned host-RAM tier; 0 = off
+    ring_slots: int = 64  # prefill ring (Cherenkov: 64)
+    ring_group: int = 8  # experts per ring batch (Cherenkov: 8)
+    lookahead: bool = True  # prefetch layer L+1's predicted experts during layer L
+    prefill_min_rows: int = 32  # a layer step with this many rows streams its misses through the ring
+    read_threads: int = 8
+    staging_records: int = 16  # pinned staging buffers when there is no host tier
+    direct_io: bool = True
+    fake_reads: bool = False  # developer switch: skip disk reads and copies (slot contents are garbage)
+    io_timeout_s: float = 30.0
+    profile: bool = False  # record CUDA events per prefill layer: copy, compute and wall time
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    experts: ExpertConfig = field(default_factory=ExpertConfig)
+    prefill_chunk: int = 4096  # prompt tokens per forward

@@ -1,30 +1,76 @@
-"""The public engine API: `LLM(store, ...)` with `logits`, `generate` and `stats`."""
+"""The public engine API: `LLM(store, ...)` with `logits`, `generate`, `chat` and `stats`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
 import torch
 
+from moestream.config import EngineConfig, ExpertConfig
+from moestream.engine import generate as gen
 from moestream.engine.loader import load_model
-from moestream.experts.resident import ResidentProvider
+from moestream.errors import MoestreamError
+from moestream.experts.format import precision_name
+from moestream.experts.provider import StreamingProvider
 from moestream.experts.store import open_store
+from moestream.sampling import SamplingParams
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass
+class RequestOutput:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None
+    stats: dict = field(default_factory=dict)
+
+
 class LLM:
     def __init__(self, store: str, device: str | None = None, dtype: str | None = None, pool_gb: float | None = None,
-                 host_gb: float = 0.0, experts: int = 4):
-        self.device = torch.device(device or default_device())
-        self.dtype = getattr(torch, dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
+                 host_gb: float = 0.0, experts: int = 4, **expert_options):
+        device = device or default_device()
+        if device == "cuda" and not torch.cuda.is_available():
+            raise MoestreamError("--device cuda was asked for, but no CUDA device is available")
+        dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+        try:
+            precision = precision_name(experts)
+        except ValueError as e:
+            raise MoestreamError(str(e)) from None
+        expert_cfg = ExpertConfig(precision=precision, pool_gb=pool_gb, host_gb=host_gb, **expert_options)
+        self.config = EngineConfig(device=device, dtype=dtype, experts=expert_cfg)
+        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
         self.store = open_store(store)
-        self.config = self.store.model
+        self.store.experts_path(precision)  # refuses a precision the store lacks, before loading anything
+        self.model_config = self.store.model
         self.model = load_model(self.store, self.device, self.dtype)
-        precision = {4: "q4", 3: "q3", 2: "q2", 16: "bf16"}[experts]
-        self.provider = ResidentProvider(self.store, precision, self.device)
-        for block in self.model.moe_blocks():
+        self.provider = StreamingProvider(self.store, expert_cfg, self.device, self.model_config.num_experts_per_tok)
+        blocks = self.model.moe_blocks()
+        for block in blocks:
             block.provider = self.provider
+        self.provider.attach({b.layer_slot: b.gate.weight for b in blocks}, self.model_config.num_experts_per_tok)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from moestream.engine.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer(self.store.path)
+        return self._tokenizer
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        try:
+            ids |= self.tokenizer.eos_ids
+        except MoestreamError:
+            pass
+        return ids
 
     @torch.inference_mode()
     def logits(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
@@ -32,3 +78,53 @@ class LLM:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         state = self.model.new_state(self.dtype, self.device)
         return self.model.logits(self.model(ids, state))
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[gen.Step]:
+        params.validate()
+        seq = gen.Sequence(list(prompt_ids), params, self.model.new_state(self.dtype, self.device))
+        yield from gen.run(self.model, seq, self.eos_ids, self.config.prefill_chunk, self.device)
+
+    def generate(self, prompts: list, params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Prompts are strings (tokenized raw, no chat template) or lists of token ids."""
+        params = params or SamplingParams()
+        outs = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            outs.append(self._complete(ids, params))
+        return outs
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        return self._complete(self.tokenizer.chat(messages), params or SamplingParams())
+
+    def _complete(self, ids: list[int], params: SamplingParams) -> RequestOutput:
+        before = self.provider.stats.snapshot()["totals"]
+        params.validate()
+        seq = gen.Sequence(ids, params, self.model.new_state(self.dtype, self.device))
+        reason = None
+        for step in gen.run(self.model, seq, self.eos_ids, self.config.prefill_chunk, self.device):
+            reason = step.finish_reason
+        text = self._text(seq.generated)
+        stats = {"timings": seq.timings.as_dict(), "experts": _delta(before, self.provider.stats.snapshot()["totals"])}
+        return RequestOutput(text, seq.generated, ids, reason, stats)
+
+    def _text(self, ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(ids)
+        except MoestreamError:
+            return ""
+
+    def stats(self) -> dict:
+        return self.provider.stats.snapshot()
+
+    def close(self) -> None:
+        self.provider.close()
+
+
+def _delta(before: dict, after: dict) -> dict:
+    out = {}
+    for precision, a in after.items():
+        b = before.get(precision, {})
+        out[precision] = {k: (v - b.get(k, 0) if not isinstance(v, dict) else
+                              {t: {m: n - b.get(k, {}).get(t, {}).get(m, 0) for m, n in tv.items()}
+                               for t, tv in v.items()}) for k, v in a.items()}
+    return out

@@ -1,0 +1,89 @@
+"""The generation loop for one sequence: chunked prefill, then one token per step until a stop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from moestream.models.base import CausalLM, SequenceState
+from moestream.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        fresh = self.prompt_tokens - self.cached_tokens
+        d["prefill_tok_s"] = fresh / self.prefill_seconds if self.prefill_seconds else 0
+        d["decode_tok_s"] = self.generated_tokens / self.decode_seconds if self.decode_seconds else 0
+        return d
+
+
+@dataclass
+class Step:
+    token: int
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    state: SequenceState
+    generated: list[int] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, device: torch.device) -> torch.Tensor:
+    """Feed `ids` through the model in chunks; returns the last position's logits [vocab]."""
+    hidden = None
+    for start in range(0, len(ids), chunk):
+        piece = torch.tensor(ids[start: start + chunk], dtype=torch.long, device=device)
+        hidden = model(piece, state)
+    return model.logits(hidden[-1:])[0]
+
+
+@torch.inference_mode()
+def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
+        logits: torch.Tensor | None = None) -> Iterator[Step]:
+    """Yield generated tokens; `logits` are the prompt's last logits when the caller already prefilled."""
+    p, t = seq.params, seq.timings
+    sampler = Sampler(p, device)
+    start = time.perf_counter()
+    if logits is None:
+        todo = seq.prompt[seq.state.length:]
+        logits = prefill(model, todo, seq.state, chunk, device)
+    sync(device)
+    t.prompt_tokens = len(seq.prompt)
+    t.prefill_seconds += time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(p.max_tokens):
+        token = sampler(logits, seq.prompt + seq.generated)
+        seq.generated.append(token)
+        t.generated_tokens += 1
+        done = None
+        if token in eos and not p.ignore_eos:
+            done = "stop"
+        elif i == p.max_tokens - 1:
+            done = "length"
+        if done is None:
+            logits = model.logits(model(torch.tensor([token], device=device), seq.state))[0]
+        t.decode_seconds = time.perf_counter() - start
+        yield Step(token, done)
+        if done:
+            return

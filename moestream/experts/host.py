@@ -1,0 +1,36 @@
+"""The optional pinned host-RAM tier: records copied to the GPU from RAM instead of disk (on PCIe 5 about
+55 GB/s against about 1.5 GB/s from disk). LRU; a slot is rewritten only after the jobs that use it
+finish and the GPU has copied out of it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future
+
+from moestream.experts.memory import host_buffer
+
+
+class HostTier:
+    def __init__(self, capacity: int, stride: int, pinned: bool):
+        self.capacity, self.stride = capacity, stride
+        self.buffer = host_buffer(capacity * stride, pinned).view(capacity, stride)
+        self.slot_of: dict[int, int] = {}
+        self.rid_of: list[int | None] = [None] * capacity
+        self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(capacity))
+        self.last_job: list[Future | None] = [None] * capacity
+        self.copy_event: list = [None] * capacity  # the last GPU copy out of the slot
+
+    def lookup(self, rid: int) -> int | None:
+        slot = self.slot_of.get(rid)
+        if slot is not None:
+            self.lru.move_to_end(slot)
+        return slot
+
+    def allocate(self, rid: int) -> int:
+        slot = next(iter(self.lru))
+        old = self.rid_of[slot]
+        if old is not None:
+            del self.slot_of[old]
+        self.rid_of[slot], self.slot_of[rid] = rid, slot
+        self.lru.move_to_end(slot)
+        return slot

@@ -1,0 +1,63 @@
+"""The GPU pool: one device buffer of record slots and the residency table record -> slot.
+
+Slots [0, num_slots) are the pool, kept LRU and never evicted while used by the current step; slots
+[num_slots, num_slots + ring_slots) are the prefill ring. Each slot remembers the fetch that is filling
+it (`pending`, `ready`) and the compute event after its last reader (`last_use`), so a copy never lands
+in a slot that a kernel may still read, and a kernel never reads a slot before its copy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future
+
+import torch
+
+
+class ExpertPool:
+    def __init__(self, num_slots: int, ring_slots: int, stride: int, device: torch.device):
+        self.num_slots, self.ring_slots, self.stride = num_slots, ring_slots, stride
+        self.buffer = torch.empty(num_slots + ring_slots, stride, dtype=torch.uint8, device=device)
+        total = num_slots + ring_slots
+        self.slot_of: dict[int, int] = {}
+        self.rid_of: list[int | None] = [None] * total
+        self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))  # oldest first
+        self.pinned: set[int] = set()
+        self.prefetched: set[int] = set()  # records fetched by lookahead and not used yet
+        self.pending: list[Future | None] = [None] * total
+        self.ready: list = [None] * total
+        self.last_use: list = [None] * total
+
+    def new_step(self) -> None:
+        self.pinned.clear()
+
+    def lookup(self, rid: int) -> int | None:
+        slot = self.slot_of.get(rid)
+        if slot is not None:
+            self.lru.move_to_end(slot)
+        return slot
+
+    def pin(self, slot: int) -> None:
+        self.pinned.add(slot)
+
+    def allocate(self, rid: int) -> int | None:
+        """A pool slot for `rid`: the least recently used slot not pinned by this step, or None."""
+        for slot in self.lru:
+            if slot not in self.pinned:
+                break
+        else:
+            return None
+        old = self.rid_of[slot]
+        if old is not None:
+            del self.slot_of[old]
+            self.prefetched.discard(old)
+        self.rid_of[slot], self.slot_of[rid] = rid, slot
+        self.lru.move_to_end(slot)
+        return slot
+
+    def ring_slot(self, index: int) -> int:
+        return self.num_slots + index % self.ring_slots
+
+    @property
+    def resident(self) -> int:
+        return len(self.slot_of)

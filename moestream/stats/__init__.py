@@ -1,0 +1,1 @@
+"""Counters as data (counters.py) and their renderers (render.py)."""

@@ -1,0 +1,76 @@
+"""Expert-cache counters as plain data, per record layer and per precision.
+
+Definitions: a lookup is one distinct expert needed by one layer step; it is a hit when the record is
+in the GPU pool (or on its way there), else a miss. Reads count the records each tier served:
+`gpu` = pool hits, `host` = misses copied from the pinned host tier, `disk` = misses read from disk;
+bytes = records x record stride. Prefetches are lookahead fetches; `prefetch_used` counts those that
+were hit before eviction.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+
+TIERS = ("gpu", "host", "disk")
+
+
+@dataclass
+class TierCounter:
+    records: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class LayerCounters:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    reads: dict[str, TierCounter] = field(default_factory=lambda: {t: TierCounter() for t in TIERS})
+    read_seconds: float = 0.0  # worker time inside disk reads
+    io_wait_seconds: float = 0.0  # compute-side time blocked until fetches were enqueued
+    ring_wait_seconds: float = 0.0  # time blocked until the GPU released a staging buffer or ring slot
+    prefill_steps: int = 0
+    decode_steps: int = 0
+
+
+class ExpertStats:
+    """Counters for every (record layer, precision); thread-safe updates from reader threads."""
+
+    def __init__(self, num_layers: int):
+        self.layers: list[dict[str, LayerCounters]] = [dict() for _ in range(num_layers)]
+        self.lock = threading.Lock()
+        self.direct_io: bool | None = None
+        self.timings: list[dict] = []  # per prefill layer: copy, compute and wall seconds (when profiled)
+
+    def at(self, layer: int, precision: str) -> LayerCounters:
+        per = self.layers[layer]
+        if precision not in per:
+            per[precision] = LayerCounters()
+        return per[precision]
+
+    def read(self, layer: int, precision: str, tier: str, nbytes: int, seconds: float = 0.0) -> None:
+        with self.lock:
+            c = self.at(layer, precision)
+            c.reads[tier].records += 1
+            c.reads[tier].bytes += nbytes
+            c.read_seconds += seconds
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            layers = [{p: asdict(c) for p, c in per.items()} for per in self.layers]
+        totals: dict = {}
+        for per in layers:
+            for p, c in per.items():
+                t = totals.setdefault(p, {k: 0 for k in c if k != "reads"} | {"reads": {}})
+                for k, v in c.items():
+                    if k == "reads":
+                        for tier, rb in v.items():
+                            tt = t["reads"].setdefault(tier, {"records": 0, "bytes": 0})
+                            tt["records"] += rb["records"]
+                            tt["bytes"] += rb["bytes"]
+                    else:
+                        t[k] += v
+        return {"direct_io": self.direct_io, "layers": layers, "totals": totals, "prefill_timings": list(self.timings)}

@@ -1,0 +1,91 @@
+"""The streaming provider's counters add up, and its failures are clear and bounded in time."""
+
+import os
+import shutil
+
+import pytest
+
+from moestream.engine.llm import LLM
+from moestream.errors import BudgetError, StoreError
+from moestream.experts.format import RecordLayout
+from moestream.sampling import SamplingParams
+from tests.engine.runs import prompt_of
+
+STRIDE = RecordLayout.build("q4", 64, 64).stride
+
+
+def _check_totals(totals: dict) -> None:
+    assert totals["hits"] + totals["misses"] == totals["lookups"]
+    for tier, r in totals["reads"].items():
+        assert r["bytes"] == r["records"] * STRIDE, tier
+    assert totals["reads"]["gpu"]["records"] == totals["hits"]
+    assert totals["reads"]["host"]["records"] + totals["reads"]["disk"]["records"] >= totals["misses"]
+
+
+@pytest.mark.parametrize("host_gb", [0.0, 0.01])
+def test_counters_add_up(tiny, host_gb):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=6 * STRIDE / 1e9, host_gb=host_gb)
+    try:
+        llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=12))
+        llm.generate([prompt_of(llm, 5, seed=1)], SamplingParams(max_tokens=12))
+        snap = llm.stats()
+        totals = snap["totals"]["q4"]
+        _check_totals(totals)
+        for layer in snap["layers"]:
+            _check_totals(layer["q4"])
+        assert totals["prefetch_issued"] > 0 and 0 <= totals["prefetch_used"] <= totals["prefetch_issued"]
+        assert totals["prefill_steps"] > 0 and totals["decode_steps"] > 0
+        if host_gb:
+            assert totals["reads"]["host"]["records"] > 0
+    finally:
+        llm.close()
+
+
+def test_whole_model_pool_reads_nothing_the_second_time(tiny):
+    llm = LLM(tiny.store("qwen2_moe"), device="cpu")
+    try:
+        prompt = prompt_of(llm, 40)
+        first = llm.generate([prompt], SamplingParams(max_tokens=8))[0]
+        second = llm.generate([prompt], SamplingParams(max_tokens=8))[0]
+        assert first.token_ids == second.token_ids
+        assert first.stats["experts"]["q4"]["reads"]["disk"]["records"] > 0
+        assert second.stats["experts"]["q4"]["reads"]["disk"]["records"] == 0
+        assert second.stats["experts"]["q4"]["misses"] == 0
+    finally:
+        llm.close()
+
+
+def test_pool_below_one_step_is_refused_at_load(tiny):
+    with pytest.raises(BudgetError, match="one decode step needs at least 2"):
+        LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=STRIDE / 1e9)
+
+
+def test_store_file_short_mid_run_is_a_clear_error(tiny, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(tiny.store("qwen3_moe"), store)
+    llm = LLM(str(store), device="cpu", pool_gb=2.0001 * STRIDE / 1e9, io_timeout_s=5)
+    try:
+        os.truncate(store / "experts.q4.bin", STRIDE * 3)  # the store shrinks after it was checked
+        with pytest.raises(StoreError, match="experts.q4.bin is shorter than its manifest says"):
+            llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=4))
+    finally:
+        llm.close()
+
+
+def test_fake_reads_keep_slots_but_skip_io(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=4 * STRIDE / 1e9, fake_reads=True)
+    try:
+        llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=4))
+        totals = llm.stats()["totals"]["q4"]
+        assert totals["misses"] > 0 and totals["read_seconds"] == 0
+    finally:
+        llm.close()
+
+
+def test_direct_io_is_reported(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    try:
+        assert llm.stats()["direct_io"] in (True, False)
+        assert llm.stats()["direct_io"] or llm.provider.io_note
+    finally:
+        llm.close()
