@@ -187,7 +187,7 @@ class ModelConfig:
                 output_gate_type=str(cfg.get("output_gate_type") or "sigmoid"),
             )
         if mt == "qwen4_exp":
-            kwargs.update(_qwen4_fields(cfg, hidden))
+            kwargs.update(_qwen4_fields(cfg, hidden, kwargs))
         if not any(moe_layers):
             raise UnsupportedModelError("no decoder layer has routed experts")
         if any(not m for m in moe_layers) and not kwargs["intermediate_size"]:
@@ -195,29 +195,77 @@ class ModelConfig:
         return cls(**kwargs)
 
 
-def _qwen4_fields(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
-    ple_ids = sorted(set(cfg.get("ple_layer_ids") or []))
+def _qwen4_fields(cfg: dict[str, Any], hidden: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """qwen4_exp's extra fields, checked as transformers checks them; anything the math cannot honour is refused."""
+    n, layer_types = kwargs["num_hidden_layers"], kwargs["layer_types"]
     out: dict[str, Any] = dict(
         hc_count=int(cfg.get("hc_count", 4)),
         hc_lowrank=int(cfg.get("hc_lowrank", 320)),
-        ple_layer_ids=tuple(i - 1 for i in ple_ids),  # config ids are one-based
         ple_embed_dim=int(cfg.get("ple_embed_dim") or hidden),
         ple_conv_kernel_size=int(cfg.get("ple_conv_kernel_size", 4)),
         ngram_size=int(cfg.get("ngram_size", 3)),
         heads_per_ngram=int(cfg.get("heads_per_ngram", 8)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        output_gate_type=str(cfg.get("output_gate_type") or cfg.get("hidden_act") or "silu"),
     )
     if out["hc_count"] <= 1:
         raise UnsupportedModelError(f"qwen4_exp needs hc_count > 1, got {out['hc_count']}")
-    if cfg.get("indexer_n_heads") is not None:
-        if cfg.get("indexer_kv_heads", 1) != 1:
-            raise UnsupportedModelError("QSA needs indexer_kv_heads = 1")
-        out.update(
-            indexer_n_heads=int(cfg["indexer_n_heads"]),
-            indexer_head_dim=int(cfg["indexer_head_dim"]),
-            indexer_budget=int(cfg["indexer_budget"]),
-            indexer_compress_ratio=int(cfg["indexer_compress_ratio"]),
-        )
+    if out["hc_lowrank"] <= 0:
+        raise UnsupportedModelError(f"qwen4_exp needs hc_lowrank > 0, got {out['hc_lowrank']}")
+    if out["output_gate_type"] not in ("sigmoid", "silu"):
+        raise UnsupportedModelError(f"output_gate_type {out['output_gate_type']!r} is not supported (sigmoid or silu)")
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+        raise UnsupportedModelError("qwen4_exp has routed experts on every layer; mlp_only_layers and "
+                                    "decoder_sparse_step are not supported")
+    out.update(_ple_fields(cfg, out, n, layer_types, kwargs["eos_token_ids"]))
+    out.update(_indexer_fields(cfg, kwargs))
     return out
+
+
+def _ple_fields(cfg: dict[str, Any], out: dict[str, Any], n: int, layer_types: tuple[str, ...],
+                eos: tuple[int, ...]) -> dict[str, Any]:
+    ids = sorted(set(cfg.get("ple_layer_ids") or []))
+    if not ids:
+        return {}
+    if bad := [i for i in ids if not 1 <= i <= n]:
+        raise UnsupportedModelError(f"ple_layer_ids are one-based layer ids in [1, {n}], got {bad}")
+    if bad := [i for i in ids if layer_types[i - 1] != "linear_attention"]:
+        raise UnsupportedModelError(f"PLE is only supported on linear_attention layers, got PLE on layers {bad}")
+    heads = (out["ngram_size"] - 1) * out["heads_per_ngram"]
+    if out["ngram_size"] < 2 or heads <= 0 or out["ple_embed_dim"] % heads:
+        raise UnsupportedModelError(f"ple_embed_dim {out['ple_embed_dim']} must split evenly over "
+                                    f"(ngram_size - 1) x heads_per_ngram = {heads} > 0 n-gram heads")
+    if out["ple_conv_kernel_size"] < 1:
+        raise UnsupportedModelError(f"ple_conv_kernel_size must be >= 1, got {out['ple_conv_kernel_size']}")
+    if not eos:
+        raise UnsupportedModelError("PLE layers need eos_token_id (n-grams restart after it)")
+    return dict(ple_layer_ids=tuple(i - 1 for i in ids))  # config ids are one-based
+
+
+_INDEXER = ("indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+
+
+def _indexer_fields(cfg: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """With the indexer fields, the "full_attention" layers are QSA indexed; without, plain gated attention."""
+    types = kwargs["layer_types"]
+    if all(cfg.get(f) is None for f in (*_INDEXER, "indexer_kv_heads")):
+        if "indexed_attention" in types:
+            raise UnsupportedModelError("indexed_attention layers need the indexer_* config fields")
+        return {}
+    if missing := [f for f in _INDEXER if cfg.get(f) is None]:
+        raise UnsupportedModelError(f"QSA config is missing {', '.join(missing)}")
+    values = {f: int(cfg[f]) for f in _INDEXER}
+    if any(v <= 0 for v in values.values()):
+        raise UnsupportedModelError(f"QSA config values must be positive: {values}")
+    if int(cfg.get("indexer_kv_heads") or 1) != 1:
+        raise UnsupportedModelError("QSA needs indexer_kv_heads = 1")
+    if values["indexer_budget"] % values["indexer_compress_ratio"]:
+        raise UnsupportedModelError("indexer_budget must be a multiple of indexer_compress_ratio")
+    rotary_dim = int(kwargs["head_dim"] * kwargs["partial_rotary_factor"])
+    if rotary_dim > values["indexer_head_dim"]:
+        raise UnsupportedModelError(f"rotary dim {rotary_dim} does not fit the QSA index head "
+                                    f"(indexer_head_dim {values['indexer_head_dim']})")
+    return dict(values, layer_types=tuple("indexed_attention" if t == "full_attention" else t for t in types))
 
 
 @dataclass(frozen=True)

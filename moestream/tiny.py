@@ -13,7 +13,12 @@ from typing import Any
 _COMMON: dict[str, Any] = dict(
     vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=1,
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|im_start|>")  # ids 0, 1, 2; bytes follow
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _HYBRID: dict[str, Any] = dict(
     head_dim=16, shared_expert_intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -30,7 +35,6 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         _HYBRID, hc_count=2, hc_lowrank=16, ple_layer_ids=[1], ple_embed_dim=64, ngram_size=3,
         heads_per_ngram=2, ngram_vocab_size_base=1000, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2,
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
-        eos_token_id=1,
     )),
 }
 
@@ -56,7 +60,10 @@ def make_tiny_checkpoint(path: str, model_type: str, seed: int = 0, dtype: str =
         for name, p in model.named_parameters():
             if p.ndim == 1 or "norm" in name or name.endswith(("A_log", "dt_bias")):
                 p.copy_(torch.randn_like(p) * 0.1 + (0.0 if "norm" not in name else 0.5))
+            elif "ple.conv1d" in name:  # qwen4_exp's PLE conv starts at zero, which would hide it
+                p.copy_(torch.randn_like(p) * 0.3)
     model.save_pretrained(path)
+    make_tiny_tokenizer(path)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
@@ -66,6 +73,22 @@ def make_tiny_checkpoint(path: str, model_type: str, seed: int = 0, dtype: str =
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=1)
     return path
+
+
+def make_tiny_tokenizer(path: str) -> None:
+    """A byte-level tokenizer (special tokens, then the 256 bytes) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
 
 
 def main(argv: list[str] | None = None) -> None:

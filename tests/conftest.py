@@ -50,6 +50,19 @@ class Factory:
         return self.cache[key]
 
 
+    def dequantized(self, model_type: str, seed: int = 0, **overrides) -> str:
+        """The checkpoint with every expert weight replaced by its Q4 dequantization (the Q4 oracle)."""
+        key = self._key("deq", model_type, seed, **overrides)
+        if key not in self.cache:
+            from tests.models.oracle import dequantize_experts
+
+            out = os.path.join(self.root, f"deq{len(self.cache)}")
+            dequantize_experts(self.checkpoint(model_type, seed, **overrides),
+                               self.store(model_type, seed=seed, **overrides), out)
+            self.cache[key] = out
+        return self.cache[key]
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Factory:
     return Factory(str(tmp_path_factory.mktemp("tiny")))

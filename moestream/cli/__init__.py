@@ -10,6 +10,7 @@ from moestream.errors import MoestreamError
 
 COMMANDS = {
     "pack": "pack a Hugging Face or MLX checkpoint folder into a store",
+    "generate": "generate a completion for one prompt",
 }
 
 

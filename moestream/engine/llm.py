@@ -42,11 +42,11 @@ class LLM:
         except ValueError as e:
             raise MoestreamError(str(e)) from None
         expert_cfg = ExpertConfig(precision=precision, pool_gb=pool_gb, host_gb=host_gb, **expert_options)
-        self.config = EngineConfig(device=device, dtype=dtype, experts=expert_cfg)
+        self.engine_config = EngineConfig(device=device, dtype=dtype, experts=expert_cfg)
         self.device, self.dtype = torch.device(device), getattr(torch, dtype)
         self.store = open_store(store)
         self.store.experts_path(precision)  # refuses a precision the store lacks, before loading anything
-        self.model_config = self.store.model
+        self.config = self.model_config = self.store.model
         self.model = load_model(self.store, self.device, self.dtype)
         self.provider = StreamingProvider(self.store, expert_cfg, self.device, self.model_config.num_experts_per_tok)
         blocks = self.model.moe_blocks()
@@ -82,7 +82,7 @@ class LLM:
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[gen.Step]:
         params.validate()
         seq = gen.Sequence(list(prompt_ids), params, self.model.new_state(self.dtype, self.device))
-        yield from gen.run(self.model, seq, self.eos_ids, self.config.prefill_chunk, self.device)
+        yield from gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device)
 
     def generate(self, prompts: list, params: SamplingParams | None = None) -> list[RequestOutput]:
         """Prompts are strings (tokenized raw, no chat template) or lists of token ids."""
@@ -101,7 +101,7 @@ class LLM:
         params.validate()
         seq = gen.Sequence(ids, params, self.model.new_state(self.dtype, self.device))
         reason = None
-        for step in gen.run(self.model, seq, self.eos_ids, self.config.prefill_chunk, self.device):
+        for step in gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device):
             reason = step.finish_reason
         text = self._text(seq.generated)
         stats = {"timings": seq.timings.as_dict(), "experts": _delta(before, self.provider.stats.snapshot()["totals"])}

@@ -1,4 +1,5 @@
-"""Building a model from a store: the module tree on the meta device, then the dense tensors by name."""
+"""Building a model from a store: the module tree on the meta device, then the dense tensors by name, then
+the PLE n-gram tables as row readers over their store files (never loaded whole)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from moestream.errors import StoreError
+from moestream.experts.ngram import NgramTable
 from moestream.experts.store import Store
+from moestream.layers.ple import NgramEmbedding
 from moestream.models import model_class
 
 IGNORED_PREFIXES = ("mtp.",)  # kept in the store for speculative decoding; not used by the trunk
@@ -34,4 +37,21 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype) -> torch.
     for module in model.modules():  # non-persistent buffers were built on the meta device
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
+    attach_ngram_tables(model, store)
     return model.eval().requires_grad_(False)
+
+
+def attach_ngram_tables(model: torch.nn.Module, store: Store) -> None:
+    """Give each PLE n-gram embedding its row reader (the tables stay on disk, read row by row)."""
+    layouts = {n.layer: n for n in store.manifest.ngram}
+    for module in model.modules():
+        if not isinstance(module, NgramEmbedding):
+            continue
+        layout = layouts.get(module.layer)
+        if layout is None:
+            raise StoreError(f"{store.path} has no n-gram table for PLE layer {module.layer}")
+        needed = int((module.ngram_heads_offsets + module.ngram_heads_vocab_sizes).max())
+        if layout.dim != module.head_dim or layout.rows < needed:
+            raise StoreError(f"{store.path}: n-gram table of layer {module.layer} is {layout.rows} x {layout.dim}, "
+                             f"the model needs at least {needed} x {module.head_dim}")
+        module.table = NgramTable(store.ngram_path(module.layer), layout)

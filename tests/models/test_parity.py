@@ -34,36 +34,8 @@ def test_logits_match_transformers(tiny, model_type, variant, experts):
     if experts == 16:
         ref = hf_logits(tiny.checkpoint(model_type, **overrides), ids)
     else:
-        ref = hf_logits(dequantized_checkpoint(tiny, model_type, overrides, store), ids)
+        ref = hf_logits(tiny.dequantized(model_type, **overrides), ids)
     assert_logits_close(llm.logits(ids), ref)
-
-
-def dequantized_checkpoint(tiny, model_type, overrides, store) -> str:
-    """The source checkpoint with every expert weight replaced by its Q4 dequantization."""
-    import os
-    import re
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from moestream.quant.affine import dequantize
-    from tests.packer.helpers import load_manifest, read_record, source_tensors
-
-    out = store + "-dequantized"
-    if os.path.isdir(out):
-        return out
-    src = tiny.checkpoint(model_type, **overrides)
-    tensors = source_tensors(src)
-    geometry = load_manifest(store).geometry
-    pat = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-    for name in list(tensors):
-        if m := pat.match(name):
-            rec = read_record(store, "q4", geometry.rid(geometry.layer_ids.index(int(m[1])), int(m[2])))
-            p = m[3]
-            tensors[name] = dequantize(rec[f"{p}_w"], rec[f"{p}_s"], rec[f"{p}_b"]).to(torch.float32)
-    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(tensors, os.path.join(out, "model.safetensors"))
-    return out
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -1,0 +1,44 @@
+"""moestream generate STORE PROMPT: stream a completion to stdout; timings and a cache summary on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moestream.cli.common import add_engine_args, add_sampling_args, cache_summary, open_llm, sampling_params
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("prompt")
+    add_sampling_args(p)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
+
+
+def run(args: argparse.Namespace) -> int:
+    from moestream.engine.stream import TextStream
+
+    params = sampling_params(args)
+    llm = open_llm(args)
+    try:
+        tok = llm.tokenizer
+        ids = tok.encode(args.prompt) if args.raw else tok.chat([{"role": "user", "content": args.prompt}])
+        stream = TextStream(llm, ids, params)
+        for piece in stream:
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        out = stream.output()
+        if args.json:
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
+        else:
+            sys.stdout.write("\n")
+        t = out.stats["timings"]
+        print(f"prompt {t['prompt_tokens']} tokens at {t['prefill_tok_s']:.1f} tok/s, generated "
+              f"{t['generated_tokens']} at {t['decode_tok_s']:.1f} tok/s ({out.finish_reason})", file=sys.stderr)
+        print(cache_summary(out.stats), file=sys.stderr)
+    finally:
+        llm.close()
+    return 0

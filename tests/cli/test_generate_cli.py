@@ -1,0 +1,40 @@
+"""`moestream generate` on CPU: text for every model type, --json, and greedy tokens equal to transformers."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import MODEL_TYPES
+from tests.models.oracle import hf_model
+
+PROMPT = "The expert pool holds"
+
+
+def generate(store: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moestream", "generate", store, PROMPT, "--device", "cpu", *args],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_json_greedy_equals_transformers(tiny, model_type):
+    store = tiny.store(model_type)
+    proc = generate(store, "--raw", "--json", "--max-tokens", "12", "--pool-gb", "0.0001")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == {"text", "token_ids", "stats"}
+    assert out["stats"]["experts"]["q4"]["lookups"] > 0
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(store).encode(PROMPT, add_special_tokens=False)
+    ref = hf_model(tiny.dequantized(model_type)).generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert out["token_ids"] == ref[0, len(ids):].tolist()
+
+
+def test_streams_text_and_reports_on_stderr(tiny):
+    proc = generate(tiny.store("qwen3_moe"), "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "tok/s" in proc.stderr and "hits" in proc.stderr
