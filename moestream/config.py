@@ -198,7 +198,9 @@ class ModelConfig:
 def _qwen4_fields(cfg: dict[str, Any], hidden: int, kwargs: dict[str, Any]) -> dict[str, Any]:
     """qwen4_exp's extra fields, checked as transformers checks them; anything the math cannot honour is refused."""
     n, layer_types = kwargs["num_hidden_layers"], kwargs["layer_types"]
+    kwargs = {**kwargs, "head_dim": int(cfg.get("head_dim") or 256)}  # transformers' default, not hidden / heads
     out: dict[str, Any] = dict(
+        head_dim=kwargs["head_dim"],
         hc_count=int(cfg.get("hc_count", 4)),
         hc_lowrank=int(cfg.get("hc_lowrank", 320)),
         ple_embed_dim=int(cfg.get("ple_embed_dim") or hidden),

@@ -1,4 +1,5 @@
-"""RMSNorm variants: plain `w * norm(x)`, zero-centred `(1 + w) * norm(x)`, and gated."""
+"""RMSNorm variants: plain `w * norm(x)`, zero-centred `(1 + w) * norm(x)`, grouped (each `group_size`
+slice of the last dim normalised on its own: the hyper-connection streams of qwen4_exp), and gated."""
 
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False, group_size: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
-        self.eps, self.zero_centered = eps, zero_centered
+        self.eps, self.zero_centered, self.group_size = eps, zero_centered, group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_size is None:
+            normed = rms(x, self.eps)
+        else:  # [..., groups * g] -> per-group norm -> back
+            normed = rms(x.unflatten(-1, (-1, self.group_size)), self.eps).flatten(-2)
         if self.zero_centered:
-            return (rms(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * rms(x, self.eps).to(x.dtype)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -82,11 +82,12 @@ class Backbone(nn.Module):
 
 class CausalLM(nn.Module):
     spec = ModelSpec()
+    backbone_class = Backbone
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg, self.spec)
+        self.model = self.backbone_class(cfg, self.spec)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta)
 

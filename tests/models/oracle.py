@@ -19,11 +19,12 @@ def hf_logits(path: str, ids: torch.Tensor) -> torch.Tensor:
     return hf_model(path)(ids[None]).logits[0].float()
 
 
-def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
-    """Max abs error within `rel` of the largest reference logit."""
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> float:
+    """Max abs error within `rel` of the largest reference logit; returns the relative error."""
     err = (ours.float() - ref.float()).abs().max().item()
     scale = ref.abs().max().item()
     assert err <= rel * scale, f"max abs error {err:.3g} > {rel} x {scale:.3g}"
+    return err / scale
 
 
 def dequantize_experts(src: str, store: str, out: str) -> str:

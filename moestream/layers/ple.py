@@ -1,0 +1,124 @@
+"""PLE (qwen4_exp): hashed n-gram embeddings injected into the hyper-connection streams of some layers.
+
+For each token, every n-gram ending at it (orders 2..ngram_size) is hashed `heads_per_ngram` ways into
+one shared table; the looked-up rows, concatenated, are projected to a value and to one key per stream.
+The normalised streams gate the value (a signed-sqrt dot-product gate), and a dilated causal depthwise
+conv over the gated values adds local context. Returns [T, hc * H], added to the streams.
+
+An n-gram never reaches across an EOS token: positions before the segment start read as EOS, and so
+does everything before the first token. The table rows come from the store file through `table`
+(an `NgramTable` the loader attaches); the module itself holds only the small hashing buffers.
+`PLEState` carries the last `ngram_size - 1` ids and the conv history, so prefill followed by single
+steps equals one forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.config import ModelConfig
+from moestream.layers.norm import RMSNorm
+
+
+@dataclass
+class PLEState:
+    context: torch.Tensor  # [ngram_size - 1] the previous token ids (EOS before the first token)
+    conv: torch.Tensor  # [(kernel - 1) * dilation, hc * H] the previous conv inputs (zeros at start)
+
+    def snapshot(self) -> PLEState:
+        return PLEState(self.context.clone(), self.conv.clone())
+
+
+def shift_within_segments(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
+    """history [L] ids -> [L]: the id `shift` places back, or EOS where that crosses an EOS or the start."""
+    if shift == 0:
+        return history
+    positions = torch.arange(history.shape[0], device=history.device)
+    eos_at = torch.where(history == eos, positions, -1)
+    last_eos_before = F.pad(torch.cummax(eos_at, dim=0).values[:-1], (1, 0), value=-1)
+    # valid when no EOS lies in [p - shift, p - 1] and p - shift >= 0
+    valid = (positions - (last_eos_before + 1) >= shift) & (positions >= shift)
+    shifted = history[(positions - shift).clamp_min(0)]
+    return torch.where(valid, shifted, torch.full_like(history, eos))
+
+
+class NgramEmbedding(nn.Module):
+    """Token ids -> concatenated n-gram rows [T, ple_embed_dim]; buffers load from the store by name."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.ngram_size, self.heads_per_ngram = layer, cfg.ngram_size, cfg.heads_per_ngram
+        self.eos = cfg.eos_token_ids[0]
+        heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram
+        self.head_dim = cfg.ple_embed_dim // heads
+        self.register_buffer("layer_multipliers", torch.empty(cfg.ngram_size, dtype=torch.long))
+        self.register_buffer("ngram_heads_vocab_sizes", torch.empty(heads, dtype=torch.long))
+        self.register_buffer("ngram_heads_offsets", torch.empty(heads, dtype=torch.long))
+        self.table = None  # NgramTable, attached by the loader
+
+    def ngram_ids(self, ids: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """ids [T], context [ngram_size - 1] -> table row ids [T, heads] (ordered by n-gram order, then head)."""
+        history = torch.cat([context, ids])
+        shifted = [shift_within_segments(history, s, self.eos) for s in range(self.ngram_size)]
+        blocks = []
+        for order in range(2, self.ngram_size + 1):
+            # int64 products wrap on overflow, as in the reference hashing
+            mixed = shifted[0] * self.layer_multipliers[0]
+            for position in range(1, order):
+                mixed = torch.bitwise_xor(mixed, shifted[position] * self.layer_multipliers[position])
+            heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
+            blocks.append(torch.remainder(mixed[:, None], self.ngram_heads_vocab_sizes[heads][None])
+                          + self.ngram_heads_offsets[heads][None])
+        return torch.cat(blocks, dim=-1)[context.shape[0]:]
+
+    def forward(self, ids: torch.Tensor, context: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [T] -> [T, heads * head_dim] in `dtype`."""
+        if self.table is None:
+            raise RuntimeError(f"layer {self.layer}: no n-gram table attached (load the model through a store)")
+        rows = self.table.rows(self.ngram_ids(ids, context))  # [T, heads, head_dim] float32
+        return rows.to(device=ids.device, dtype=dtype).flatten(-2)
+
+
+class PLE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.streams, self.hidden = cfg.hc_count, cfg.hidden_size
+        width = self.streams * self.hidden
+        self.ple_embedding = NgramEmbedding(cfg, layer)
+        self.key_proj = nn.Linear(cfg.ple_embed_dim, width, bias=False)
+        self.value_proj = nn.Linear(cfg.ple_embed_dim, self.hidden, bias=False)
+        self.norm_key = RMSNorm(width, cfg.rms_norm_eps, zero_centered=True, group_size=self.hidden)
+        self.norm_query = RMSNorm(width, cfg.rms_norm_eps, zero_centered=True, group_size=self.hidden)
+        self.norm_conv = RMSNorm(width, cfg.rms_norm_eps, zero_centered=True, group_size=self.hidden)
+        self.dilation = cfg.ngram_size
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(width, 1, cfg.ple_conv_kernel_size))
+        self.history = (cfg.ple_conv_kernel_size - 1) * self.dilation
+
+    def new_state(self, dtype: torch.dtype, device: torch.device) -> PLEState:
+        context = torch.full((self.ple_embedding.ngram_size - 1,), self.ple_embedding.eos, dtype=torch.long,
+                             device=device)
+        return PLEState(context, torch.zeros(self.history, self.streams * self.hidden, dtype=dtype, device=device))
+
+    def forward(self, streams: torch.Tensor, ids: torch.Tensor, state: PLEState) -> torch.Tensor:
+        """streams [T, hc * H], ids [T] -> the PLE update [T, hc * H]; advances `state`."""
+        embedded = self.ple_embedding(ids, state.context, streams.dtype)  # [T, ple_embed_dim]
+        state.context = torch.cat([state.context, ids])[ids.shape[0]:]
+        keys = self.norm_key(self.key_proj(embedded)).unflatten(-1, (self.streams, self.hidden))
+        queries = self.norm_query(streams).unflatten(-1, (self.streams, self.hidden))
+        gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = (torch.sigmoid(gate) * self.value_proj(embedded).unsqueeze(-2)).flatten(-2)  # [T, hc * H]
+        return gated + self._conv(self.norm_conv(gated), state)
+
+    def _conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
+        """Dilated causal depthwise conv + SiLU over x [T, C], continuing from the state's history."""
+        full = torch.cat([state.conv.to(x.dtype), x])  # [history + T, C]
+        state.conv = full[full.shape[0] - self.history:]
+        out = F.conv1d(full.T[None], self.conv1d.weight.to(x.dtype), groups=x.shape[1], dilation=self.dilation)
+        return F.silu(out[0].T)

@@ -1,0 +1,100 @@
+"""qwen4_exp (Qwen3.8-Flash-Next, text model): qwen3_5_moe's Gated DeltaNet and gated attention, with
+
+- hyper-connections: the residual is `hc_count` streams [T, hc * H]; each block reads a learned mix of
+  them and writes back to each with its own weight (layers/hyper.py); they replace the block norms and
+  the final norm,
+- PLE hashed n-gram embeddings added to the streams before some DeltaNet layers (layers/ple.py),
+- QSA indexed sparse attention on the attention layers when the indexer fields are set (layers/qsa.py).
+
+Every norm is zero-centred `(1 + w)` except the DeltaNet output norm, whose gate is `output_gate_type`.
+A PLE layer's state is a `PLELayerState` (mixer state + PLE state); other layers keep their mixer's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moestream.config import ModelConfig
+from moestream.layers.attention import Attention
+from moestream.layers.deltanet import DeltaNetState, GatedDeltaNet
+from moestream.layers.hyper import HyperConnection
+from moestream.layers.moe import SparseMoE
+from moestream.layers.ple import PLE, PLEState
+from moestream.layers.qsa import IndexedAttention
+from moestream.models.base import CausalLM, ModelSpec, SequenceState
+
+
+@dataclass
+class PLELayerState:
+    mixer: DeltaNetState
+    ple: PLEState
+
+    def snapshot(self) -> PLELayerState:
+        return PLELayerState(self.mixer.snapshot(), self.ple.snapshot())
+
+
+class HyperDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, layer_slot: int):
+        super().__init__()
+        self.kind = cfg.layer_types[index]
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, fused_qkvz=False, gate_activation=cfg.output_gate_type)
+        elif self.kind == "indexed_attention":
+            self.self_attn = IndexedAttention(cfg)
+        else:
+            self.self_attn = Attention(cfg, qk_norm=True, output_gate=True, zero_centered=True)
+        self.mlp = SparseMoE(cfg, layer_slot, shared_expert=True)
+        self.ple = PLE(cfg, index) if index in cfg.ple_layer_ids else None
+        self.attn_hyper_connection = HyperConnection(cfg)
+        self.mlp_hyper_connection = HyperConnection(cfg)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.kind == "linear_attention" else self.self_attn
+
+    def new_state(self, dtype: torch.dtype, device: torch.device):
+        state = self.mixer.new_state(dtype, device)
+        return state if self.ple is None else PLELayerState(state, self.ple.new_state(dtype, device))
+
+    def forward(self, streams: torch.Tensor, ids: torch.Tensor, rope, state) -> torch.Tensor:
+        """streams [T, hc * H], ids [T] -> streams [T, hc * H]."""
+        if self.ple is not None:
+            streams = streams + self.ple(streams, ids, state.ple)
+            state = state.mixer
+        x, weights = self.attn_hyper_connection(streams)
+        out = self.linear_attn(x, state) if self.kind == "linear_attention" else self.self_attn(x, rope, state)
+        streams = HyperConnection.inject(streams, out, weights)
+        x, weights = self.mlp_hyper_connection(streams)
+        return HyperConnection.inject(streams, self.mlp(x), weights)
+
+
+class HyperBackbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # every layer is MoE (config.py refuses dense layers), so the record slot is the layer index
+        self.layers = nn.ModuleList(HyperDecoderLayer(cfg, i, i) for i in range(cfg.num_hidden_layers))
+        self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
+
+
+class Model(CausalLM):
+    spec = ModelSpec(zero_centered_norms=True, attention_output_gate=True, shared_expert=True)
+    backbone_class = HyperBackbone
+
+    def new_state(self, dtype: torch.dtype, device: torch.device) -> SequenceState:
+        return SequenceState([layer.new_state(dtype, device) for layer in self.model.layers])
+
+    def forward(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """ids [T] -> final hidden states [T, H]; appends to `state`."""
+        x = self.model.embed_tokens(ids)
+        positions = torch.arange(state.length, state.length + ids.shape[0], device=ids.device)
+        rope = self.rotary.cos_sin(positions, x.dtype)
+        streams = x.repeat(1, self.config.hc_count)  # every stream starts as the embedding
+        for layer, layer_state in zip(self.model.layers, state.layers):
+            streams = layer(streams, ids, rope, layer_state)
+        state.length += ids.shape[0]
+        state.tokens.extend(ids.tolist())
+        return self.model.hyper_connection_mixer(streams)[0]
