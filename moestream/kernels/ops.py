@@ -1,18 +1,41 @@
 """Dispatch: each op picks its Triton version on CUDA and the torch reference elsewhere.
 
-`MOESTREAM_KERNELS=reference` forces the reference everywhere (for debugging and A/B timing)."""
+`MOESTREAM_KERNELS=reference` forces the reference everywhere (debugging, A/B timing);
+`MOESTREAM_KERNELS=triton` forces Triton (the CPU interpreter with TRITON_INTERPRET=1, for tests)."""
 
 from __future__ import annotations
 
 import os
 
+import torch
+
+from moestream.experts.format import RecordLayout
 from moestream.kernels import reference
 
-expert_group = reference.expert_group
+DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config
+
 combine_topk = reference.combine_topk
 causal_conv1d = reference.causal_conv1d
 gated_delta_rule = reference.gated_delta_rule
 
 
-def use_triton(device) -> bool:
-    return getattr(device, "type", device) == "cuda" and os.environ.get("MOESTREAM_KERNELS") != "reference"
+def use_triton(device: torch.device) -> bool:
+    choice = os.environ.get("MOESTREAM_KERNELS", "")
+    if choice == "reference":
+        return False
+    return choice == "triton" or device.type == "cuda"
+
+
+def expert_phase(rows: int) -> str:
+    return "decode" if rows <= DECODE_MAX_ROWS else "prefill"
+
+
+def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],
+                 order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
+    """Unweighted outputs of experts `slots` over their routing entries into `out` [T * top_k, H]."""
+    if use_triton(x.device):
+        from moestream.kernels import expert_mlp
+
+        expert_mlp.grouped(x, buffer, slots, layout, offsets, order, top_k, out, expert_phase(x.shape[0]))
+    else:
+        reference.expert_group(x, buffer, slots, layout, offsets, order, top_k, out)

@@ -33,11 +33,9 @@ def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout
 
 
 def combine_topk(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [T, K, H] unweighted expert outputs, weights [T, K] -> [T, H], summed in k order."""
-    out = y[:, 0] * weights[:, :1]
-    for k in range(1, y.shape[1]):
-        out = out + y[:, k] * weights[:, k: k + 1]
-    return out
+    """y [T, K, H] unweighted expert outputs, weights [T, K] -> [T, H]: one batched product, so the sum
+    over k runs in the same order whatever was resident."""
+    return torch.bmm(weights.unsqueeze(1), y).squeeze(1)
 
 
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,12 +20,17 @@ class KVCache:
         self.v = torch.empty_like(self.k)
         self.length = 0
 
+    def reserve(self, capacity: int) -> None:
+        """Grow to hold `capacity` positions (static decode needs buffers that never move)."""
+        if capacity > self.k.shape[0]:
+            extra = capacity - self.k.shape[0]
+            self.k = torch.cat([self.k, self.k.new_empty(extra, *self.k.shape[1:])])
+            self.v = torch.cat([self.v, self.v.new_empty(extra, *self.v.shape[1:])])
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[0]
         if end > self.k.shape[0]:
-            grow = max(end, 2 * self.k.shape[0])
-            self.k = torch.cat([self.k[: self.length], self.k.new_empty(grow - self.length, *self.k.shape[1:])])
-            self.v = torch.cat([self.v[: self.length], self.v.new_empty(grow - self.length, *self.v.shape[1:])])
+            self.reserve(max(end, 2 * self.k.shape[0]))
         self.k[self.length: end] = k
         self.v[self.length: end] = v
         self.length = end
@@ -91,3 +96,16 @@ class Attention(nn.Module):
         q, k, v, gate = self.project(x, rope)
         keys, values = cache.append(k, v)
         return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)
+
+
+def decode_attention(attn: Attention, x: torch.Tensor, rope, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One token at device-side `position` [1], attending over the whole cache buffer with a mask, so the
+    shapes never change and the step can be captured in a CUDA graph. The caller advances `cache.length`."""
+    q, k, v, gate = attn.project(x, rope)
+    cache.k.index_copy_(0, position, k)
+    cache.v.index_copy_(0, position, v)
+    visible = torch.arange(cache.k.shape[0], device=x.device) <= position  # [capacity]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k.transpose(0, 1)[None],
+                                         cache.v.transpose(0, 1)[None], attn_mask=visible[None, None, None, :],
+                                         scale=attn.head_dim ** -0.5, enable_gqa=attn.heads != attn.kv_heads)
+    return attn.finish(out[0].transpose(0, 1), gate)

@@ -71,7 +71,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        mixed, state.conv = ops.causal_conv1d(mixed, state.conv, self.conv1d.weight)
+        mixed, conv = ops.causal_conv1d(mixed, state.conv, self.conv1d.weight)
+        state.conv.copy_(conv)  # in place: a captured decode graph keeps pointing at these buffers
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         per = self.nv // self.nk  # each key head serves `per` consecutive value heads
         q = q.reshape(t, self.nk, self.dk).repeat_interleave(per, dim=1)
@@ -79,6 +80,7 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(t, self.nv, self.dv)
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, state.recurrent = ops.gated_delta_rule(q, k, v, g, beta, state.recurrent)
+        out, recurrent = ops.gated_delta_rule(q, k, v, g, beta, state.recurrent)
+        state.recurrent.copy_(recurrent)
         out = self.norm(out.to(x.dtype), z)
         return self.out_proj(out.reshape(t, -1))

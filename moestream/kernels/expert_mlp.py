@@ -1,0 +1,118 @@
+"""Launching the Triton expert MLP: tiles from a CSR grouping (streaming mode) or one tile per routing
+entry with addresses gathered on the GPU (graph mode, no host decision).
+
+Tile shapes come from `configs/expert_mlp.json` keyed by phase and geometry; a decode launch always uses
+the decode config and a prefill launch the prefill config, whatever is resident, so a row's arithmetic
+never depends on the residency.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moestream.experts.format import RecordLayout
+
+CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "expert_mlp.json")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    bm: int
+    bn_gate_up: int
+    bk_gate_up: int
+    bn_down: int
+    bk_down: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULTS = {"decode": TileConfig(16, 32, 128, 32, 128, 4, 3), "prefill": TileConfig(64, 64, 64, 64, 64, 4, 3)}
+
+
+@functools.cache
+def _table() -> dict:
+    if os.path.isfile(CONFIG_PATH):
+        with open(CONFIG_PATH) as f:
+            return json.load(f)
+    return {}
+
+
+def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
+    key = f"{phase}/bits{layout.bits}/h{layout.hidden_size}/i{layout.intermediate_size}"
+    entry = _table().get(key) or _table().get(f"{phase}/bits{layout.bits}")
+    cfg = TileConfig(**entry) if entry else DEFAULTS[phase]
+    # Tiles must divide the matrix: fall back to the largest power of two that does.
+    return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, layout.intermediate_size), _fit(cfg.bk_gate_up, layout.hidden_size),
+                      _fit(cfg.bn_down, layout.hidden_size), _fit(cfg.bk_down, layout.intermediate_size),
+                      cfg.num_warps, cfg.num_stages)
+
+
+def _fit(block: int, dim: int) -> int:
+    while dim % block and block > 16:
+        block //= 2
+    return block
+
+
+def _offsets(layout: RecordLayout) -> dict:
+    names = ("gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b", "down_w", "down_s", "down_b")
+    have = {f.name: f.offset for f in layout.fields}
+    return {n: have.get(n, 0) for n in names}
+
+
+def launch(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
+           tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, top_k: int, phase: str,
+           h: torch.Tensor | None = None) -> None:
+    """Run gate/up then down over the given tiles. x [T, H]; out [T * top_k, H]; entries [M]."""
+    from moestream.kernels.triton.expert_mlp import down_kernel, gate_up_kernel
+
+    cfg = tile_config(phase, layout)
+    hidden, inter = layout.hidden_size, layout.intermediate_size
+    tiles = tile_addr.shape[0]
+    if h is None:
+        h = torch.empty(entries.shape[0], inter, dtype=x.dtype, device=x.device)
+    o = _offsets(layout)
+    bits, group = layout.bits, layout.group_size or 64
+    gate_up_kernel[(tiles, inter // cfg.bn_gate_up)](
+        x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"],
+        o["up_s"], o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BM=cfg.bm,
+        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    down_kernel[(tiles, hidden // cfg.bn_down)](
+        h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_s"], o["down_b"], H=hidden,
+        I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+
+
+def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],
+            order: torch.Tensor, top_k: int, out: torch.Tensor, phase: str) -> None:
+    """Streaming mode: expert j (record in `buffer[slots[j]]`) owns order[offsets[j]:offsets[j+1]].
+
+    Prefill tiles cover up to `bm` entries of one expert. Decode tiles hold one entry each, exactly as
+    in graph mode, so a decode step computes the same bits whether or not it went through the host."""
+    bm = tile_config(phase, layout).bm if phase == "prefill" else 1
+    base, stride = buffer.data_ptr(), buffer.stride(0)
+    addr, start, count = [], [], []
+    for j, slot in enumerate(slots):
+        for m0 in range(offsets[j], offsets[j + 1], bm):
+            addr.append(base + slot * stride)
+            start.append(m0)
+            count.append(min(bm, offsets[j + 1] - m0))
+    meta = torch.tensor([addr, start, count], dtype=torch.int64)
+    meta = meta.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else meta
+    launch(x, out, order, meta[0], meta[1], meta[2], layout, top_k, phase)
+
+
+@functools.cache
+def _identity(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(n, device=device), torch.ones(n, dtype=torch.int64, device=device)
+
+
+def per_entry(x: torch.Tensor, addr: torch.Tensor, layout: RecordLayout, top_k: int, out: torch.Tensor) -> None:
+    """Graph mode: routing entry e = row * top_k + k reads the record at `addr[e]` (a device tensor), so a
+    decode step needs no host decision."""
+    entries, ones = _identity(addr.shape[0], x.device)
+    launch(x, out, entries, addr, entries, ones, layout, top_k, "decode")

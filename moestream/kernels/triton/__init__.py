@@ -1,0 +1,1 @@
+"""@triton.jit kernels only; launching and shapes live in moestream/kernels/*.py."""

@@ -1,0 +1,80 @@
+"""The routed-expert MLP, reading each expert's weights straight from its record by address.
+
+A launch covers tiles; tile t is one expert (record at byte address `tile_addr[t]`, in the GPU pool,
+the ring, or mapped pinned host memory) applied to `tile_count[t]` routing entries starting at
+`tile_start[t]` in `entries` (flat row * TOP_K + k indices). Q4 weights are dequantized in registers
+(MLX affine: 8 codes per int32, low nibble first, bf16 scale and bias per group of 64).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _weight_tile(base, off_w, off_s, off_b, rows, cols, K: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A [BN, BK] tile of an [N, K] weight (rows `rows`, cols `cols`), dequantized to fp32."""
+    if BITS == 16:
+        ptr = (base + off_w).to(tl.pointer_type(tl.bfloat16))
+        return tl.load(ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
+    PER: tl.constexpr = 32 // BITS
+    wptr = (base + off_w).to(tl.pointer_type(tl.int32))
+    words = tl.load(wptr + rows[:, None] * (K // PER) + (cols[None, :] // PER))  # [BN, BK] (each word PER times)
+    shift = (cols[None, :] % PER) * BITS
+    codes = ((words >> shift) & ((1 << BITS) - 1)).to(tl.float32)
+    sptr = (base + off_s).to(tl.pointer_type(tl.bfloat16))
+    bptr = (base + off_b).to(tl.pointer_type(tl.bfloat16))
+    g = rows[:, None] * (K // GROUP) + cols[None, :] // GROUP
+    return codes * tl.load(sptr + g).to(tl.float32) + tl.load(bptr + g).to(tl.float32)
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
+                   off_gw, off_gs, off_gb, off_uw, off_us, off_ub,
+                   H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    base = tl.load(tile_addr_ptr + tile).to(tl.pointer_type(tl.uint8))
+    start = tl.load(tile_start_ptr + tile)
+    count = tl.load(tile_count_ptr + tile)
+    m = tl.arange(0, BM)
+    valid = m < count
+    entry = tl.load(entries_ptr + start + m, mask=valid, other=0)
+    row = entry // TOP_K
+    n = pid_n * BN + tl.arange(0, BN)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
+        x = x.to(x_ptr.dtype.element_ty)
+        g = _weight_tile(base, off_gw, off_gs, off_gb, n, k, H, BITS, GROUP, BN, BK)
+        acc_g = tl.dot(x, tl.trans(g.to(x.dtype)), acc_g)
+        u = _weight_tile(base, off_uw, off_us, off_ub, n, k, H, BITS, GROUP, BN, BK)
+        acc_u = tl.dot(x, tl.trans(u.to(x.dtype)), acc_u)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + (start + m)[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
+                off_dw, off_ds, off_db,
+                H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    base = tl.load(tile_addr_ptr + tile).to(tl.pointer_type(tl.uint8))
+    start = tl.load(tile_start_ptr + tile)
+    count = tl.load(tile_count_ptr + tile)
+    m = tl.arange(0, BM)
+    valid = m < count
+    entry = tl.load(entries_ptr + start + m, mask=valid, other=0)
+    n = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        k = k0 + tl.arange(0, BK)
+        h = tl.load(h_ptr + (start + m)[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
+        d = _weight_tile(base, off_dw, off_ds, off_db, n, k, I, BITS, GROUP, BN, BK)
+        acc = tl.dot(h, tl.trans(d.to(h.dtype)), acc)
+    tl.store(y_ptr + entry[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
