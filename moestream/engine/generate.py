@@ -58,10 +58,18 @@ def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, d
     return model.logits(hidden[-1:])[0]
 
 
+def eager_step(model: CausalLM, device: torch.device):
+    def step(token: int, state: SequenceState) -> torch.Tensor:
+        return model.logits(model(torch.tensor([token], device=device), state))[0]
+    return step
+
+
 @torch.inference_mode()
 def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-        logits: torch.Tensor | None = None) -> Iterator[Step]:
-    """Yield generated tokens; `logits` are the prompt's last logits when the caller already prefilled."""
+        logits: torch.Tensor | None = None, step=None) -> Iterator[Step]:
+    """Yield generated tokens; `logits` are the prompt's last logits when the caller already prefilled;
+    `step(token, state) -> logits` is the decode step (eager by default, a CUDA decoder on GPU)."""
+    step = step or eager_step(model, device)
     p, t = seq.params, seq.timings
     sampler = Sampler(p, device)
     start = time.perf_counter()
@@ -82,7 +90,7 @@ def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch
         elif i == p.max_tokens - 1:
             done = "length"
         if done is None:
-            logits = model.logits(model(torch.tensor([token], device=device), seq.state))[0]
+            logits = step(token, seq.state)
         t.decode_seconds = time.perf_counter() - start
         yield Step(token, done)
         if done:

@@ -9,6 +9,7 @@ import torch
 
 from moestream.config import EngineConfig, ExpertConfig
 from moestream.engine import generate as gen
+from moestream.engine.decode import CudaDecoder, supports_static_decode
 from moestream.engine.loader import load_model
 from moestream.errors import MoestreamError
 from moestream.experts.format import precision_name
@@ -32,7 +33,8 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, store: str, device: str | None = None, dtype: str | None = None, pool_gb: float | None = None,
-                 host_gb: float = 0.0, experts: int = 4, **expert_options):
+                 host_gb: float = 0.0, experts: int = 4, decode_mode: str = "graph", preload: bool | None = None,
+                 max_context: int = 8192, **expert_options):
         device = device or default_device()
         if device == "cuda" and not torch.cuda.is_available():
             raise MoestreamError("--device cuda was asked for, but no CUDA device is available")
@@ -54,6 +56,14 @@ class LLM:
             block.provider = self.provider
         self.provider.attach({b.layer_slot: b.gate.weight for b in blocks}, self.model_config.num_experts_per_tok)
         self._tokenizer = None
+        self.decoder = None
+        if self.device.type == "cuda" and supports_static_decode(self.model):
+            self.decoder = CudaDecoder(self.model, self.provider, max_context, mode=decode_mode)
+        if preload if preload is not None else self.device.type == "cuda":
+            self.provider.preload()
+
+    def _step(self):
+        return self.decoder.step if self.decoder else None
 
     @property
     def tokenizer(self):
@@ -82,7 +92,8 @@ class LLM:
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[gen.Step]:
         params.validate()
         seq = gen.Sequence(list(prompt_ids), params, self.model.new_state(self.dtype, self.device))
-        yield from gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device)
+        yield from gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
+                           step=self._step())
 
     def generate(self, prompts: list, params: SamplingParams | None = None) -> list[RequestOutput]:
         """Prompts are strings (tokenized raw, no chat template) or lists of token ids."""
@@ -101,7 +112,8 @@ class LLM:
         params.validate()
         seq = gen.Sequence(ids, params, self.model.new_state(self.dtype, self.device))
         reason = None
-        for step in gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device):
+        for step in gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
+                            step=self._step()):
             reason = step.finish_reason
         text = self._text(seq.generated)
         stats = {"timings": seq.timings.as_dict(), "experts": _delta(before, self.provider.stats.snapshot()["totals"])}
@@ -114,6 +126,8 @@ class LLM:
             return ""
 
     def stats(self) -> dict:
+        if self.engine_config.experts.profile:
+            self.provider.resolve_profiles()
         return self.provider.stats.snapshot()
 
     def close(self) -> None:

@@ -22,7 +22,8 @@ class TextStream:
         params.validate()
         self.seq = gen.Sequence(self.prompt_ids, params, llm.model.new_state(llm.dtype, llm.device))
         self._before = before
-        for step in gen.run(llm.model, self.seq, llm.eos_ids, llm.engine_config.prefill_chunk, llm.device):
+        for step in gen.run(llm.model, self.seq, llm.eos_ids, llm.engine_config.prefill_chunk, llm.device,
+                            step=llm._step()):
             self.tokens.append(step.token)
             self.finish_reason = step.finish_reason
             full = llm._text(self.tokens)

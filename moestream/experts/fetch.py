@@ -54,7 +54,7 @@ class Fetcher:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-read")
 
     def fetch(self, rid: int, precision: str, layer: int, dst: torch.Tensor, dst_last_use, wait_for: Future | None,
-              ready) -> Future:
+              ready, started=None) -> Future:
         """Fill `dst` (a device slot) with record `rid`; `ready` is recorded on the copy stream after the copy.
 
         `dst_last_use`: the compute event after the slot's last reader; `wait_for`: an earlier fetch into the
@@ -68,12 +68,12 @@ class Fetcher:
                 host_slot = self.host.allocate(rid)
             host_wait = self.host.last_job[host_slot]
         future = self.pool.submit(self._job, rid, precision, layer, dst, dst_last_use, wait_for, ready, source,
-                                  host_slot, host_wait)
+                                  host_slot, host_wait, started)
         if host_slot is not None:
             self.host.last_job[host_slot] = future
         return future
 
-    def _job(self, rid, precision, layer, dst, dst_last_use, wait_for, ready, source, host_slot, host_wait):
+    def _job(self, rid, precision, layer, dst, dst_last_use, wait_for, ready, source, host_slot, host_wait, started):
         timeout = self.device.timeout_s
         for earlier in (wait_for, host_wait):
             if earlier is not None:
@@ -95,6 +95,8 @@ class Fetcher:
             self.stats.read(layer, precision, "host", stride)
         with self.device.copy_context():
             self.device.wait_on_copy(dst_last_use)
+            if started is not None:  # profiling: the copy's start on the copy stream
+                started.record(self.device.copy_stream)
             if not self.fake:
                 dst[:stride].copy_(buf, non_blocking=True)
             ready.record(self.device.copy_stream)
@@ -105,6 +107,24 @@ class Fetcher:
         if waited:
             with self.stats.lock:
                 self.stats.at(layer, precision).ring_wait_seconds += waited
+
+    def fill_host(self, rid: int, precision: str, layer: int) -> Future:
+        """Read record `rid` from disk into the host tier only (preloading for zero-copy reads)."""
+        slot = self.host.lookup(rid)
+        if slot is None:
+            slot = self.host.allocate(rid)
+        wait = self.host.last_job[slot]
+
+        def job():
+            if wait is not None:
+                wait.result(timeout=self.device.timeout_s)
+            reader = self.readers[precision]
+            seconds = 0.0 if self.fake else reader.read(rid, self.host.buffer[slot][: reader.stride])
+            self.stats.read(layer, precision, "disk", reader.stride, seconds)
+
+        future = self.pool.submit(job)
+        self.host.last_job[slot] = future
+        return future
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -71,6 +71,11 @@ class StreamingProvider:
         self.fetcher = Fetcher(self.device, {cfg.precision: reader}, host, self.stats, cfg.read_threads,
                                cfg.staging_records, cfg.fake_reads)
         self.routers: dict[int, torch.Tensor] = {}  # layer slot -> router weight, for lookahead
+        self.host = host
+        self._addresses: torch.Tensor | None = None  # persistent, so captured graphs see rebuilds
+        self._table_state: str | None = None  # None = rebuild, "valid", or "absent"
+        self._profiles: list[dict] = []
+        self._current_profile: dict | None = None
 
     # -- the seam -------------------------------------------------------------------------------------
     def batches(self, layer_slot: int, topk_ids: torch.Tensor, x: torch.Tensor) -> Iterator[ExpertBatch]:
@@ -143,6 +148,7 @@ class StreamingProvider:
     def _ring_path(self, layer: int, g: Grouping) -> Iterator[ExpertBatch]:
         c = self.stats.at(layer, self.cfg.precision)
         c.prefill_steps += 1
+        prof = self._profile_begin(layer)
         share = self.pool.num_slots // self.geometry.num_layers
         ranked = sorted(range(len(g.experts)), key=lambda j: -g.counts[j])  # stable: ties keep expert order
         keep = set(ranked[:share])
@@ -179,15 +185,112 @@ class StreamingProvider:
         submit_ready(-1)
         for b, idx in enumerate(batches):
             self._wait(layer, [slots[j] for j in idx], [waits[j] for j in idx])
+            begin = self._mark(prof)
             yield batch_of(g, idx, self.pool.buffer, self.layout, [slots[j] for j in idx])
+            if prof is not None:
+                prof["compute"].append((begin, self._mark(prof)))
             self._done([slots[j] for j in idx])
             submit_ready(b)
+        if prof is not None:
+            prof["end"] = self._mark(prof)
+            self._current_profile = None
+
+    # -- graph mode -----------------------------------------------------------------------------------
+    def preload(self, on_progress=None) -> str | None:
+        """Load every record where it will stay: the GPU pool if it holds them all, else the host tier if it
+        does. Returns where ("pool" or "host"), or None when neither holds the whole model."""
+        g, total = self.geometry, self.geometry.num_records
+        if self.pool.num_slots >= total:
+            where = "pool"
+        elif self.host is not None and self.host.capacity >= total:
+            where = "host"
+        else:
+            return None
+        futures = []
+        for layer in range(g.num_layers):
+            for e in range(g.num_experts):
+                rid = g.rid(layer, e)
+                if where == "pool" and self.pool.lookup(rid) is None:
+                    futures.append(self._fetch(layer, rid, self.pool.allocate(rid)))
+                elif where == "host" and self.host.lookup(rid) is None:
+                    futures.append(self.fetcher.fill_host(rid, self.cfg.precision, layer))
+            if on_progress:
+                on_progress(layer + 1, g.num_layers)
+        for f in futures:
+            f.result(timeout=self.cfg.io_timeout_s * max(1, len(futures) // 64))
+        return where
+
+    def address_table(self) -> torch.Tensor | None:
+        """[num_layers, num_experts] int64 device addresses of every record (GPU pool slot, else mapped
+        pinned host-tier slot), or None when some record is in neither. Kernels read records in place."""
+        if not self.device.cuda:
+            return None
+        if self._table_state is None:
+            self._table_state = "absent"
+            g, stride = self.geometry, self.layout.stride
+            table = []
+            for rid in range(g.num_records):
+                slot = self.pool.slot_of.get(rid)
+                if slot is not None:
+                    table.append(self.pool.buffer.data_ptr() + slot * stride)
+                    continue
+                hslot = self.host.slot_of.get(rid) if self.host else None
+                if hslot is None:
+                    return None
+                table.append(self.host.buffer.data_ptr() + hslot * self.host.stride)
+            for f in self.pool.pending + (self.host.last_job if self.host else []):
+                if f is not None:
+                    f.result(timeout=self.cfg.io_timeout_s)
+            torch.cuda.synchronize(self.device.device)
+            table = torch.tensor(table, dtype=torch.int64).view(g.num_layers, g.num_experts)
+            if self._addresses is None:
+                self._addresses = torch.empty_like(table, device=self.device.device)
+            self._addresses.copy_(table)
+            self._table_state = "valid"
+        return self._addresses if self._table_state == "valid" else None
+
+    # -- profiling (CUDA events, resolved when the stats are read) -------------------------------------
+    def _profile_begin(self, layer: int) -> dict | None:
+        if not (self.cfg.profile and self.device.cuda):
+            return None
+        prof = {"layer": layer, "copies": [], "compute": []}
+        prof["start"] = self._mark(prof)
+        self._profiles.append(prof)
+        self._current_profile = prof
+        return prof
+
+    def _mark(self, prof):
+        if prof is None:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def resolve_profiles(self) -> list[dict]:
+        """Per profiled prefill layer: seconds of copies (copy stream busy), compute, and wall."""
+        if not self._profiles:
+            return self.stats.timings
+        torch.cuda.synchronize(self.device.device)
+        for p in self._profiles:
+            copy = sum(a.elapsed_time(b) for a, b in p["copies"]) / 1e3
+            compute = sum(a.elapsed_time(b) for a, b in p["compute"]) / 1e3
+            wall = p["start"].elapsed_time(p["end"]) / 1e3
+            self.stats.timings.append({"layer": p["layer"], "copy_s": copy, "compute_s": compute, "wall_s": wall,
+                                       "copies": len(p["copies"])})
+        self._profiles, self._current_profile = [], None
+        return self.stats.timings
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _fetch(self, layer: int, rid: int, slot: int, ring: bool = False):
-        ready = self.device.event()
+        if not ring:
+            self._table_state = None  # residency changes: graph-mode addresses must be rebuilt
+        prof = self._current_profile if self.cfg.profile and self.device.cuda else None
+        ready = self.device.event(timing=prof is not None)
+        started = self.device.event(timing=True) if prof is not None else None
+        if prof is not None:
+            prof["copies"].append((started, ready))
         future = self.fetcher.fetch(rid, self.cfg.precision, layer, self.pool.buffer[slot], self.pool.last_use[slot],
-                                    self.pool.pending[slot], ready)
+                                    self.pool.pending[slot], ready, started)
         self.pool.pending[slot], self.pool.ready[slot] = future, ready
         if ring:
             self.pool.rid_of[slot] = rid

@@ -29,6 +29,7 @@ class TileConfig:
     bk_down: int
     num_warps: int = 4
     num_stages: int = 3
+    unpack: int = 0
 
 
 DEFAULTS = {"decode": TileConfig(16, 32, 128, 32, 128, 4, 3), "prefill": TileConfig(64, 64, 64, 64, 64, 4, 3)}
@@ -49,7 +50,7 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
     # Tiles must divide the matrix: fall back to the largest power of two that does.
     return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, layout.intermediate_size), _fit(cfg.bk_gate_up, layout.hidden_size),
                       _fit(cfg.bn_down, layout.hidden_size), _fit(cfg.bk_down, layout.intermediate_size),
-                      cfg.num_warps, cfg.num_stages)
+                      cfg.num_warps, cfg.num_stages, cfg.unpack)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -66,11 +67,11 @@ def _offsets(layout: RecordLayout) -> dict:
 
 def launch(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
            tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, top_k: int, phase: str,
-           h: torch.Tensor | None = None) -> None:
+           h: torch.Tensor | None = None, cfg: TileConfig | None = None) -> None:
     """Run gate/up then down over the given tiles. x [T, H]; out [T * top_k, H]; entries [M]."""
     from moestream.kernels.triton.expert_mlp import down_kernel, gate_up_kernel
 
-    cfg = tile_config(phase, layout)
+    cfg = cfg or tile_config(phase, layout)
     hidden, inter = layout.hidden_size, layout.intermediate_size
     tiles = tile_addr.shape[0]
     if h is None:
@@ -80,11 +81,11 @@ def launch(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr:
     gate_up_kernel[(tiles, inter // cfg.bn_gate_up)](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"],
         o["up_s"], o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BM=cfg.bm,
-        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_s"], o["down_b"], H=hidden,
-        I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down, UNPACK=cfg.unpack,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],

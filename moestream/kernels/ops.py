@@ -39,3 +39,11 @@ def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout
         expert_mlp.grouped(x, buffer, slots, layout, offsets, order, top_k, out, expert_phase(x.shape[0]))
     else:
         reference.expert_group(x, buffer, slots, layout, offsets, order, top_k, out)
+
+
+def expert_entries(x: torch.Tensor, addresses: torch.Tensor, layout: RecordLayout, top_k: int,
+                   out: torch.Tensor) -> None:
+    """Routing entry e = row * top_k + k computed with the record at device address `addresses[e]`."""
+    from moestream.kernels import expert_mlp
+
+    expert_mlp.per_entry(x, addresses, layout, top_k, out)

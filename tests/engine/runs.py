@@ -13,10 +13,14 @@ def greedy_trace(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], to
     state = llm.model.new_state(llm.dtype, llm.device)
     logits = [llm.model.logits(llm.model(torch.tensor(prompt, device=llm.device), state))]
     tokens = []
+    step = llm._step()  # the CUDA decoder on GPU (graphs or the handshake), else the eager forward
     for _ in range(steps):
         token = int(torch.argmax(logits[-1][-1]))
         tokens.append(token)
-        logits.append(llm.model.logits(llm.model(torch.tensor([token], device=llm.device), state)))
+        if step is not None:
+            logits.append(step(token, state)[None])
+        else:
+            logits.append(llm.model.logits(llm.model(torch.tensor([token], device=llm.device), state)))
     return tokens, torch.cat(logits).cpu()
 
 

@@ -10,10 +10,8 @@ from moestream.experts.format import RecordLayout
 from moestream.kernels import reference
 from moestream.quant.affine import quantize
 
-triton = pytest.importorskip("triton")
+pytestmark = [pytest.mark.gpu, pytest.mark.interpretable]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
 DTYPE = torch.float32 if INTERPRET else torch.bfloat16  # the interpreter (numpy) has no bf16 arithmetic
 
@@ -35,6 +33,7 @@ def make_buffer(layout: RecordLayout, num_slots: int, gen: torch.Generator) -> t
 
 
 def run_case(precision, hidden, inter, rows, top_k, num_experts, seed=0):
+    pytest.importorskip("triton")
     from moestream.kernels import expert_mlp
 
     gen = torch.Generator().manual_seed(seed)

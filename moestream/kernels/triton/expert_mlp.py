@@ -11,28 +11,43 @@ import triton.language as tl
 
 
 @triton.jit
-def _weight_tile(base, off_w, off_s, off_b, rows, cols, K: tl.constexpr, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """A [BN, BK] tile of an [N, K] weight (rows `rows`, cols `cols`), dequantized to fp32."""
+def _weight_tile(base, off_w, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
+    """A [BN, BK] tile (rows `rows`, columns k0..k0+BK) of an [N, K] weight, dequantized to fp32.
+
+    UNPACK 0 loads each code's word (the repeats hit L1); UNPACK 1 loads each word once and splits it
+    with a reshape. Which is faster is measured per GPU (benchmarks/bench_kernels.py)."""
+    cols = k0 + tl.arange(0, BK)
     if BITS == 16:
         ptr = (base + off_w).to(tl.pointer_type(tl.bfloat16))
         return tl.load(ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
     PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
     wptr = (base + off_w).to(tl.pointer_type(tl.int32))
-    words = tl.load(wptr + rows[:, None] * (K // PER) + (cols[None, :] // PER))  # [BN, BK] (each word PER times)
-    shift = (cols[None, :] % PER) * BITS
-    codes = ((words >> shift) & ((1 << BITS) - 1)).to(tl.float32)
     sptr = (base + off_s).to(tl.pointer_type(tl.bfloat16))
     bptr = (base + off_b).to(tl.pointer_type(tl.bfloat16))
-    g = rows[:, None] * (K // GROUP) + cols[None, :] // GROUP
-    return codes * tl.load(sptr + g).to(tl.float32) + tl.load(bptr + g).to(tl.float32)
+    if UNPACK == 0:
+        words = tl.load(wptr + rows[:, None] * (K // PER) + (cols[None, :] // PER))
+        codes = ((words >> ((cols[None, :] % PER) * BITS)) & MASK).to(tl.float32)
+        g = rows[:, None] * (K // GROUP) + cols[None, :] // GROUP
+        return codes * tl.load(sptr + g).to(tl.float32) + tl.load(bptr + g).to(tl.float32)
+    wcols = k0 // PER + tl.arange(0, BK // PER)
+    words = tl.load(wptr + rows[:, None] * (K // PER) + wcols[None, :])  # [BN, BK / PER]
+    shifts = tl.arange(0, PER) * BITS
+    codes = ((words[:, :, None] >> shifts[None, None, :]) & MASK).to(tl.float32)  # [BN, BK / PER, PER]
+    gcols = k0 // GROUP + tl.arange(0, BK // GROUP)
+    g = rows[:, None] * (K // GROUP) + gcols[None, :]
+    scale = tl.load(sptr + g).to(tl.float32)
+    bias = tl.load(bptr + g).to(tl.float32)
+    w = tl.reshape(codes, (BN, BK // GROUP, GROUP)) * scale[:, :, None] + bias[:, :, None]
+    return tl.reshape(w, (BN, BK))
 
 
 @triton.jit
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                    off_gw, off_gs, off_gb, off_uw, off_us, off_ub,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     base = tl.load(tile_addr_ptr + tile).to(tl.pointer_type(tl.uint8))
@@ -49,9 +64,9 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
         x = x.to(x_ptr.dtype.element_ty)
-        g = _weight_tile(base, off_gw, off_gs, off_gb, n, k, H, BITS, GROUP, BN, BK)
+        g = _weight_tile(base, off_gw, off_gs, off_gb, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
         acc_g = tl.dot(x, tl.trans(g.to(x.dtype)), acc_g)
-        u = _weight_tile(base, off_uw, off_us, off_ub, n, k, H, BITS, GROUP, BN, BK)
+        u = _weight_tile(base, off_uw, off_us, off_ub, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
         acc_u = tl.dot(x, tl.trans(u.to(x.dtype)), acc_u)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + (start + m)[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=valid[:, None])
@@ -61,7 +76,7 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                 off_dw, off_ds, off_db,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     base = tl.load(tile_addr_ptr + tile).to(tl.pointer_type(tl.uint8))
@@ -75,6 +90,6 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
     for k0 in range(0, I, BK):
         k = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + (start + m)[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
-        d = _weight_tile(base, off_dw, off_ds, off_db, n, k, I, BITS, GROUP, BN, BK)
+        d = _weight_tile(base, off_dw, off_ds, off_db, n, k0, I, BITS, GROUP, BN, BK, UNPACK)
         acc = tl.dot(h, tl.trans(d.to(h.dtype)), acc)
     tl.store(y_ptr + entry[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])

@@ -1,0 +1,93 @@
+"""End to end on a real-geometry synthetic store: decode tok/s (graph vs eager), prefill tok/s and the
+prefill copy/compute overlap per layer with a pool below the model.
+
+python -m benchmarks.bench_e2e STORE [--decode] [--prefill] [--pool-frac 0.25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from benchmarks.common import out_dir, write
+from moestream.engine.llm import LLM
+from moestream.experts.store import open_store
+from moestream.sampling import SamplingParams
+
+
+def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def decode_runs(store: str, tokens: int = 64) -> list[dict]:
+    rows = []
+    for mode in ("graph", "addressed", "handshake"):
+        llm = LLM(store, device="cuda", decode_mode=mode)
+        ids = prompt(16, llm.config.vocab_size)
+        llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))  # warm: compile, capture
+        out = llm.generate([ids], SamplingParams(max_tokens=tokens, ignore_eos=True))[0]
+        t = out.stats["timings"]
+        rows.append({"mode": mode, "decode_tok_s": t["decode_tok_s"], "ms_per_token": 1e3 / t["decode_tok_s"],
+                     "graph_replays": llm.decoder.graph_replays, "tokens": out.token_ids[:8]})
+        print(rows[-1])
+        llm.close()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0) -> list[dict]:
+    s = open_store(store)
+    total_gb = s.manifest.geometry.num_records * s.manifest.layouts["q4"].stride / 1e9
+    rows = []
+    for frac in fracs:
+        llm = LLM(store, device="cuda", pool_gb=total_gb * frac, host_gb=host_gb, profile=True, preload=False)
+        for n in lengths:
+            ids = prompt(n, llm.config.vocab_size, seed=n)
+            start = time.perf_counter()
+            out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+            wall = time.perf_counter() - start
+            e = out.stats["experts"]["q4"]
+            timings = llm.stats()["prefill_timings"][-s.manifest.geometry.num_layers:]
+            copy = sum(t["copy_s"] for t in timings)
+            compute = sum(t["compute_s"] for t in timings)
+            gpu_wall = sum(t["wall_s"] for t in timings)
+            rows.append({"pool_frac": frac, "prompt": n, "prefill_tok_s": n / wall, "seconds": wall,
+                         "disk_gb": e["reads"]["disk"]["bytes"] / 1e9, "host_gb": e["reads"]["host"]["bytes"] / 1e9,
+                         "copy_s": copy, "compute_s": compute, "expert_wall_s": gpu_wall,
+                         "io_wait_s": e["io_wait_seconds"], "ring_wait_s": e["ring_wait_seconds"],
+                         "per_layer": timings[:4]})
+            print({k: v for k, v in rows[-1].items() if k != "per_layer"})
+        llm.close()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("store")
+    p.add_argument("--decode", action="store_true")
+    p.add_argument("--prefill", action="store_true")
+    p.add_argument("--fracs", default="0.25,1.0")
+    p.add_argument("--lengths", default="512,4096")
+    p.add_argument("--host-gb", type=float, default=0.0)
+    args = p.parse_args()
+    data, table = {}, []
+    if args.decode:
+        data["decode"] = decode_runs(args.store)
+        table += [["decode", r["mode"], f"{r['decode_tok_s']:.1f} tok/s", f"{r['ms_per_token']:.2f} ms/token", ""]
+                  for r in data["decode"]]
+    if args.prefill:
+        data["prefill"] = prefill_runs(args.store, [float(f) for f in args.fracs.split(",")],
+                                       [int(n) for n in args.lengths.split(",")], args.host_gb)
+        table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens", f"{r['prefill_tok_s']:.0f} tok/s",
+                   f"copy {r['copy_s']:.2f} s, compute {r['compute_s']:.2f} s, wall {r['expert_wall_s']:.2f} s",
+                   f"disk {r['disk_gb']:.1f} GB"] for r in data["prefill"]]
+    write(out_dir("e2e"), "e2e", data, table, ["phase", "case", "rate", "detail", "bytes"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Expert kernels on the GPU against their limits: decode (bytes / HBM bandwidth) and prefill
+(FLOPs / dense bf16 matmul rate), sweeping tile configs. `--tune` writes the best configs to
+moestream/kernels/configs/expert_mlp.json.
+
+python -m benchmarks.bench_kernels [--tune] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import random
+
+import torch
+
+from benchmarks.common import bf16_matmul_tflops, cuda_time, hbm_copy_gbs, out_dir, write
+from moestream.experts.format import RecordLayout
+from moestream.kernels import expert_mlp
+from moestream.kernels.expert_mlp import CONFIG_PATH, TileConfig
+
+QWEN3_30B = dict(hidden=2048, inter=768, experts=128, top_k=8)
+
+
+def random_pool(layout: RecordLayout, records: int) -> torch.Tensor:
+    """Records of random codes with sane scales (weights about +-0.03), on the GPU."""
+    buf = torch.randint(-2**31, 2**31 - 1, (records, layout.stride // 4), dtype=torch.int32, device="cuda")
+    buf = buf.view(torch.uint8).view(records, layout.stride)
+    for f in layout.fields:
+        if f.dtype == "bfloat16":
+            view = buf[:, f.offset: f.offset + f.nbytes].view(torch.bfloat16)
+            view.fill_(0.004 if f.name.endswith("_s") else -0.03)
+    return buf
+
+
+def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64) -> dict:
+    """One layer's decode step, graph-captured back to back over rotating expert sets (so L2 cannot serve)."""
+    records = pool.shape[0]
+    n = rows * top_k
+    sets = []
+    for _ in range(calls):
+        picks = [random.sample(range(records), top_k) for _ in range(rows)]
+        sets.append(torch.tensor([pool[e].data_ptr() for row in picks for e in row], device="cuda"))
+    distinct = sum(len({e for e in set_.tolist()}) for set_ in sets) / calls
+    x = torch.randn(rows, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
+    h = torch.empty(n, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    entries, ones = torch.arange(n, device="cuda"), torch.ones(n, dtype=torch.int64, device="cuda")
+
+    def step(addr):
+        expert_mlp.launch(x, out, entries, addr, entries, ones, layout, top_k, "decode", h=h, cfg=cfg)
+
+    for a in sets[:2]:
+        step(a)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in sets:
+            step(a)
+    seconds = cuda_time(graph.replay, iters=20) / calls
+    nbytes = distinct * layout.record_bytes
+    return {"rows": rows, "us": seconds * 1e6, "gbs": nbytes / seconds / 1e9, "bytes": nbytes}
+
+
+def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
+    experts = pool.shape[0]
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(rows)])
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts).tolist()
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    x = torch.randn(rows, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows * top_k, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
+    addr, start, count = [], [], []
+    for e in range(experts):
+        for m0 in range(offsets[e], offsets[e + 1], cfg.bm):
+            addr.append(pool[e].data_ptr())
+            start.append(m0)
+            count.append(min(cfg.bm, offsets[e + 1] - m0))
+    meta = torch.tensor([addr, start, count], device="cuda")
+    h = torch.empty(rows * top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    seconds = cuda_time(lambda: expert_mlp.launch(x, out, order, meta[0], meta[1], meta[2], layout, top_k,
+                                                  "prefill", h=h, cfg=cfg), iters=20)
+    flops = 2 * rows * top_k * 3 * layout.hidden_size * layout.intermediate_size
+    return {"rows": rows, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
+
+
+def decode_configs(quick: bool):
+    grid = itertools.product([16, 32, 64], [64, 128, 256], [32, 64, 128], [64, 128, 256], [2, 4, 8], [2, 3, 4], [0, 1])
+    out = [TileConfig(16, bn, bk, bnd, bkd, w, s, u) for bn, bk, bnd, bkd, w, s, u in grid]
+    random.Random(0).shuffle(out)
+    return out[: 12 if quick else 60]
+
+
+def prefill_configs(quick: bool):
+    grid = itertools.product([64, 128], [64, 128], [64, 128], [64, 128], [64, 128], [4, 8], [3, 4], [0, 1])
+    out = [TileConfig(bm, bn, bk, bnd, bkd, w, s, u) for bm, bn, bk, bnd, bkd, w, s, u in grid]
+    random.Random(1).shuffle(out)
+    return out[: 12 if quick else 48]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tune", action="store_true")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    g = QWEN3_30B
+    hbm, mm = hbm_copy_gbs(), bf16_matmul_tflops()
+    print(f"limits: HBM copy {hbm:.0f} GB/s, dense bf16 matmul {mm:.0f} TFLOP/s")
+    results = {"limits": {"hbm_copy_gbs": hbm, "bf16_matmul_tflops": mm}, "decode": [], "prefill": []}
+    table, best = [], {}
+    for precision in ("q4", "bf16"):
+        layout = RecordLayout.build(precision, g["hidden"], g["inter"])
+        pool = random_pool(layout, 4 * g["experts"] if precision == "q4" else g["experts"])
+        for phase, configs in (("decode", decode_configs(args.quick)), ("prefill", prefill_configs(args.quick))):
+            scored = []
+            for cfg in configs:
+                try:
+                    if phase == "decode":
+                        r = [decode_case(layout, pool, rows, g["top_k"], cfg) for rows in (1, 4)]
+                        score = sum(x["gbs"] for x in r)
+                    else:
+                        r = [prefill_case(layout, pool[: g["experts"]], 4096, g["top_k"], cfg)]
+                        score = r[0]["tflops"]
+                except Exception as e:  # a config that does not compile or fit is skipped
+                    print(f"skip {phase} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                scored.append((score, cfg, r))
+                results[phase].append({"precision": precision, "config": dataclasses.asdict(cfg), "runs": r})
+            scored.sort(key=lambda t: -t[0])
+            score, cfg, r = scored[0]
+            best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
+            for x in r:
+                if phase == "decode":
+                    table.append([precision, phase, x["rows"], f"{x['us']:.1f} us", f"{x['gbs']:.0f} GB/s",
+                                  f"{x['gbs'] / hbm:.0%} of HBM copy"])
+                else:
+                    table.append([precision, phase, x["rows"], f"{x['ms']:.2f} ms", f"{x['tflops']:.0f} TFLOP/s",
+                                  f"{x['tflops'] / mm:.0%} of dense bf16"])
+    results["best"] = best
+    write(out_dir("kernels"), "kernels", results, table, ["experts", "phase", "rows", "time", "rate", "vs limit"])
+    if args.tune:
+        with open(CONFIG_PATH, "w") as f:
+            json.dump(best, f, indent=1)
+        print(f"wrote {CONFIG_PATH}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Shared benchmark plumbing: the physical limits measured in the same run, and result files.
+
+Every benchmark prints its figure beside the limit it is bounded by, and writes JSON + markdown into
+`results/<date>-<name>/` (or `$OUT/<name>/` on the GPU machine)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+
+import torch
+
+
+def out_dir(name: str) -> str:
+    root = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "results")
+    path = os.path.join(root, f"{datetime.date.today().isoformat()}-{name}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, hbm_gb=round(p.total_memory / 1e9, 1))
+        import triton
+
+        info["triton"] = triton.__version__
+    return info
+
+
+def write(path: str, name: str, data: dict, table: list[list] | None = None, header: list[str] | None = None) -> None:
+    with open(os.path.join(path, f"{name}.json"), "w") as f:
+        json.dump({"machine": machine(), **data}, f, indent=1, default=str)
+    if table:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in table]
+        with open(os.path.join(path, f"{name}.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines))
+
+
+def cuda_time(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Median seconds per call, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def hbm_copy_gbs(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * nbytes / cuda_time(lambda: b.copy_(a), iters=20) / 1e9
+
+
+def h2d_gbs(nbytes: int = 1 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / cuda_time(lambda: b.copy_(a, non_blocking=True), iters=10) / 1e9
+
+
+def bf16_matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / cuda_time(lambda: a @ b, iters=20) / 1e12
+
+
+def disk_gbs(path: str | None = None, nbytes: int = 2 << 30, block: int = 4 << 20, threads: int = 8) -> float:
+    """O_DIRECT read bandwidth of a fresh file (written here, so the page cache cannot serve it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moestream.experts.memory import host_buffer
+
+    fd_path = path or os.path.join(tempfile.gettempdir(), "moestream-disk-probe.bin")
+    with open(fd_path, "wb") as f:
+        chunk = os.urandom(block)
+        for _ in range(nbytes // block):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(fd_path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    bufs = [host_buffer(block, torch.cuda.is_available()) for _ in range(threads)]
+
+    def read(i):
+        view = memoryview(bufs[i % threads].numpy())
+        return os.preadv(fd, [view], i * block)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(read, range(nbytes // block)))
+    seconds = time.perf_counter() - start
+    os.close(fd)
+    os.remove(fd_path)
+    return total / seconds / 1e9
+
+
+def limits(disk_path: str | None = None) -> dict:
+    out = {"hbm_copy_gbs": hbm_copy_gbs(), "h2d_pinned_gbs": h2d_gbs(), "bf16_matmul_tflops": bf16_matmul_tflops()}
+    out["disk_odirect_gbs"] = disk_gbs(disk_path)
+    return out

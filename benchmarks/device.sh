@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One entry point for the GPU machine: `bash benchmarks/device.sh STAGE...` from the repo root.
+# Stages: tests (gpu-marked tests), kernels (kernel sweep, writes tuned configs), store (30B synthetic store),
+# e2e (decode + prefill on it), limits. Logs and results go under $OUT.
+set -uo pipefail
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+STORE=/tmp/qwen3-30b
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case "$stage" in
+    tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
+    kernels) python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
+             cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
+    kernels-full) python -m benchmarks.bench_kernels --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
+                  cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
+    store) [ -f $STORE/manifest.json ] || python -m benchmarks.synthetic $STORE --geometry qwen3-30b ;;
+    e2e) python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
+    limits) python -c "from benchmarks.common import limits; print(limits())" 2>&1 | tee "$OUT/limits.log" ;;
+  esac
+done
+echo "=== done $(date +%T)"

@@ -1,0 +1,100 @@
+"""Real-geometry stores from random weights, written through the store format and the packer's writers
+(there are no real weights on the GPU machine). Records are random Q4 codes with sane scales; dense
+tensors are random bf16 named as the model expects. `skew` makes expert popularity uneven by scaling
+router rows (a larger row wins top-k more often), since random routers spread tokens evenly.
+
+python -m benchmarks.synthetic OUT --geometry qwen3-30b [--layers N] [--skew 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from moestream.config import ModelConfig
+from moestream.experts.format import DENSE_FILE, MANIFEST, ExpertGeometry, Manifest, RecordLayout, experts_file
+from moestream.models import model_class
+from moestream.packer.checks import file_check
+from moestream.packer.safetensors_io import SafetensorsWriter
+
+GEOMETRIES = {
+    "qwen3-30b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+                      intermediate_size=6144, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                      rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, eos_token_id=151645,
+                      tie_word_embeddings=False),
+    "qwen3.8-flash-next": dict(model_type="qwen4_exp_text", vocab_size=248320, hidden_size=2560,
+                               num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                               moe_intermediate_size=640, shared_expert_intermediate_size=640, num_experts=512,
+                               num_experts_per_tok=10, linear_num_key_heads=16, linear_num_value_heads=48,
+                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                               hc_count=4, hc_lowrank=320, rms_norm_eps=1e-6, eos_token_id=248044,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                "partial_rotary_factor": 0.25},
+                               full_attention_interval=4, tie_word_embeddings=False, output_gate_type="sigmoid"),
+}
+
+
+def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0, seed: int = 0) -> Manifest:
+    hf = dict(GEOMETRIES[geometry])
+    if layers:
+        hf["num_hidden_layers"] = layers
+    if "full_attention_interval" in hf:
+        n, k = hf["num_hidden_layers"], hf.pop("full_attention_interval")
+        hf["layer_types"] = ["linear_attention" if (i + 1) % k else "full_attention" for i in range(n)]
+    cfg = ModelConfig.from_hf(hf)
+    os.makedirs(out, exist_ok=True)
+    gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
+    dev = gen.device
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    specs = [(n, torch.bfloat16, tuple(t.shape)) for n, t in model.state_dict().items()]
+    writer = SafetensorsWriter(os.path.join(out, DENSE_FILE), specs)
+    for name, _, shape in specs:
+        if name.endswith("norm.weight") or "norm" in name.split(".")[-2]:
+            t = torch.ones(shape) if not cfg.is_hybrid else torch.zeros(shape)
+        else:
+            t = torch.randn(shape, generator=gen, device=dev) * (shape[-1] ** -0.5 if len(shape) > 1 else 0.1)
+            if name.endswith("mlp.gate.weight") and skew:
+                t = t * torch.arange(1, shape[0] + 1, device=dev).float().pow(-skew)[:, None] * shape[0] ** (skew / 2)
+        writer.write(name, t.to(torch.bfloat16).cpu())
+    writer.close()
+    layout = RecordLayout.build("q4", cfg.hidden_size, cfg.moe_intermediate_size)
+    g = ExpertGeometry(len(cfg.moe_layer_ids), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                       cfg.moe_layer_ids)
+    with open(os.path.join(out, experts_file("q4")), "wb") as f:
+        for _ in range(g.num_layers):
+            words = torch.randint(-2**31, 2**31 - 1, (g.num_experts, layout.stride // 4), generator=gen,
+                                  device=dev, dtype=torch.int32)
+            recs = words.view(torch.uint8).view(g.num_experts, layout.stride)
+            for fld in layout.fields:
+                if fld.dtype == "bfloat16":  # w = 0.004 q - 0.03: weights within +-0.03
+                    recs[:, fld.offset: fld.offset + fld.nbytes].view(torch.bfloat16).fill_(
+                        0.004 if fld.name.endswith("_s") else -0.03)
+            f.write(recs.cpu().numpy().tobytes())
+    files = {name: file_check(os.path.join(out, name)) for name in (DENSE_FILE, experts_file("q4"))}
+    manifest = Manifest(cfg.model_type, hf, {"kind": "synthetic", "geometry": geometry, "skew": skew}, "bfloat16", g,
+                        {"q4": layout}, (), (), files)
+    with open(os.path.join(out, MANIFEST), "w") as f:
+        json.dump(manifest.to_json(), f, indent=1)
+    return manifest
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--geometry", default="qwen3-30b", choices=sorted(GEOMETRIES))
+    p.add_argument("--layers", type=int)
+    p.add_argument("--skew", type=float, default=0.0)
+    args = p.parse_args()
+    m = build(args.out, args.geometry, args.layers, args.skew)
+    size = sum(f.size for f in m.files.values()) / 1e9
+    print(f"wrote {args.geometry} ({m.geometry.num_layers} expert layers, {m.geometry.num_records} records): "
+          f"{size:.1f} GB in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

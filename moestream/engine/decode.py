@@ -1,0 +1,88 @@
+"""Decode steps on CUDA with static shapes.
+
+Every decode step on CUDA runs the same kernels: attention over the whole (fixed) KV buffer with a
+mask, DeltaNet state updated in place, experts one tile per routing entry. When every expert record is
+addressable without a host decision (all in the GPU pool, or the rest in the pinned host tier, read in
+place over PCIe) the step is one CUDA graph; otherwise it runs eagerly, with the routing handshake per
+layer. Both give the same bits, so the output does not depend on what was resident.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.layers.attention import decode_attention
+from moestream.layers.moe import SparseMoE
+from moestream.models.base import CausalLM, SequenceState
+
+STATIC_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe")
+
+
+def supports_static_decode(model: CausalLM) -> bool:
+    return model.config.model_type in STATIC_TYPES
+
+
+def static_step(model: CausalLM, token: torch.Tensor, position: torch.Tensor, state: SequenceState,
+                addresses: torch.Tensor | None) -> torch.Tensor:
+    """token, position: [1] device tensors -> logits [1, vocab]; writes the caches at `position`."""
+    x = model.model.embed_tokens(token)
+    rope = model.rotary.cos_sin(position, x.dtype)
+    for layer, layer_state in zip(model.model.layers, state.layers):
+        h = layer.input_layernorm(x)
+        if layer.kind == "linear_attention":
+            x = x + layer.linear_attn(h, layer_state)
+        else:
+            x = x + decode_attention(layer.self_attn, h, rope, position, layer_state)
+        h = layer.post_attention_layernorm(x)
+        if isinstance(layer.mlp, SparseMoE):
+            table = addresses[layer.mlp.layer_slot] if addresses is not None else None
+            x = x + layer.mlp(h, table)
+        else:
+            x = x + layer.mlp(h)
+    return model.logits(model.model.norm(x))
+
+
+class CudaDecoder:
+    """`mode`: "graph" (capture when every record is addressable), "addressed" (read records in place but
+    run eagerly: to time graphs against), or "handshake" (always route through the host)."""
+
+    def __init__(self, model: CausalLM, provider, max_context: int, mode: str = "graph"):
+        self.model, self.provider, self.max_context, self.mode = model, provider, max_context, mode
+        device = next(model.parameters()).device
+        self.token = torch.zeros(1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph, self.graph_state, self.logits = None, None, None
+        self.graph_replays = 0
+
+    def prepare(self, state: SequenceState) -> None:
+        for s in state.layers:
+            if hasattr(s, "reserve"):
+                s.reserve(self.max_context)
+
+    @torch.inference_mode()
+    def step(self, token: int, state: SequenceState) -> torch.Tensor:
+        """Feed one token; returns the next logits [vocab] (float32)."""
+        if state.length >= self.max_context:
+            self.max_context *= 2
+            self.graph = None
+        self.prepare(state)
+        self.token.fill_(token)
+        self.position.fill_(state.length)
+        addresses = self.provider.address_table() if self.mode != "handshake" else None
+        if addresses is not None and self.graph is not None and self.graph_state is state:
+            self.graph.replay()
+            self.graph_replays += 1
+            logits = self.logits
+        else:
+            logits = static_step(self.model, self.token, self.position, state, addresses)
+            if addresses is not None and self.mode == "graph":  # capture after one eager run (compiled, allocated)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.logits = static_step(self.model, self.token, self.position, state, addresses)
+                self.graph_state = state
+        for s in state.layers:
+            if hasattr(s, "length"):
+                s.length += 1
+        state.length += 1
+        state.tokens.append(token)
+        return logits[0]

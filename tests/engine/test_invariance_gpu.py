@@ -1,0 +1,48 @@
+"""The invariance of test_invariance.py on CUDA (bf16): Triton kernels, the ring, graphs and zero-copy."""
+
+import pytest
+import torch
+
+from moestream.engine.llm import LLM
+from tests.engine.runs import greedy_trace, prompt_of
+from tests.engine.test_invariance import MODEL_TYPES, PROMPT, STEPS, _record_gb
+
+pytestmark = pytest.mark.gpu
+
+SETTINGS = [
+    dict(pool_gb=None),  # whole model resident: decode is one CUDA graph
+    dict(pool_gb="min"),  # handshake per layer
+    dict(pool_gb="min", ring_slots=8, ring_group=2),
+    dict(pool_gb="half", lookahead=False),
+    dict(pool_gb="half", host_gb=0.01),  # host tier holds every record: graphs read misses in place
+    dict(pool_gb="min", host_gb=0.0003, ring_slots=4, ring_group=1),
+    dict(pool_gb=None, decode_mode="handshake"),
+    dict(pool_gb=None, decode_mode="addressed"),
+]
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_gpu_same_tokens_and_logits_for_every_setting(tiny, model_type):
+    store = tiny.store(model_type)
+    reference, lines = None, []
+    for setting in SETTINGS:
+        s = dict(setting)
+        if s["pool_gb"] == "min":
+            s["pool_gb"] = 2 * _record_gb(1) * 1.0001
+        elif s["pool_gb"] == "half":
+            s["pool_gb"] = 16 * _record_gb(1) * 1.0001
+        llm = LLM(store, device="cuda", dtype="bfloat16", **s)
+        try:
+            tokens, logits = greedy_trace(llm, prompt_of(llm, PROMPT), STEPS)
+            replays = llm.decoder.graph_replays if llm.decoder else 0
+            totals = llm.stats()["totals"]["q4"]
+        finally:
+            llm.close()
+        lines.append(f"{model_type} {setting}: graph replays {replays}, misses {totals['misses']}, "
+                     f"tokens {tokens[:8]}")
+        if reference is None:
+            reference = (tokens, logits)
+            continue
+        assert tokens == reference[0], setting
+        assert torch.equal(logits, reference[1]), setting
+    print("\n".join(lines))
