@@ -43,6 +43,9 @@ def test_gpu_same_tokens_and_logits_for_every_setting(tiny, model_type):
         if reference is None:
             reference = (tokens, logits)
             continue
+        diff = (logits.float() - reference[1].float()).abs().amax(-1)
+        bad = (diff > 0).nonzero().flatten().tolist()
+        assert not bad, (f"{setting}: logits differ from row {bad[0]} of {len(diff)} (prompt is {PROMPT} rows), "
+                         f"max {diff.max().item():.3g}; tokens equal: {tokens == reference[0]}")
         assert tokens == reference[0], setting
-        assert torch.equal(logits, reference[1]), setting
     print("\n".join(lines))
