@@ -9,13 +9,14 @@ STORE=/tmp/qwen3-30b
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
+    invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
-    kernels) python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
+    kernels) timeout 200 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
              cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
     kernels-full) python -m benchmarks.bench_kernels --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
                   cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
     store) [ -f $STORE/manifest.json ] || python -m benchmarks.synthetic $STORE --geometry qwen3-30b ;;
-    e2e) python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
+    e2e) timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     limits) python -c "from benchmarks.common import limits; print(limits())" 2>&1 | tee "$OUT/limits.log" ;;
   esac
 done

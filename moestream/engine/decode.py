@@ -85,4 +85,4 @@ class CudaDecoder:
                 s.length += 1
         state.length += 1
         state.tokens.append(token)
-        return logits[0]
+        return logits[0].clone()  # a replay overwrites the graph's output buffer
