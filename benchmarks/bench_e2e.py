@@ -23,7 +23,20 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def decode_runs(store: str, tokens: int = 64) -> list[dict]:
+def profile_decode(llm: LLM, ids: list[int], steps: int = 4) -> list[tuple[str, float]]:
+    """Top kernels (CUDA microseconds per decode step) of eager steps that run the graph's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([ids], SamplingParams(max_tokens=steps, ignore_eos=True))
+    events = prof.key_averages()
+    rows = sorted(((e.key, e.device_time_total / steps) for e in events), key=lambda r: -r[1])[:15]
+    for name, us in rows:
+        print(f"  {us:9.1f} us/step  {name[:100]}")
+    return rows
+
+
+def decode_runs(store: str, tokens: int = 64, profile: bool = False) -> list[dict]:
     rows = []
     for mode in ("graph", "addressed", "handshake"):
         llm = LLM(store, device="cuda", decode_mode=mode)
@@ -34,6 +47,8 @@ def decode_runs(store: str, tokens: int = 64) -> list[dict]:
         rows.append({"mode": mode, "decode_tok_s": t["decode_tok_s"], "ms_per_token": 1e3 / t["decode_tok_s"],
                      "graph_replays": llm.decoder.graph_replays, "tokens": out.token_ids[:8]})
         print(rows[-1])
+        if profile and mode == "addressed":
+            rows[-1]["profile_us_per_step"] = profile_decode(llm, ids)
         llm.close()
         torch.cuda.empty_cache()
     return rows
@@ -74,10 +89,11 @@ def main() -> None:
     p.add_argument("--fracs", default="0.25,1.0")
     p.add_argument("--lengths", default="512,4096")
     p.add_argument("--host-gb", type=float, default=0.0)
+    p.add_argument("--profile", action="store_true", help="break an eager decode step down by kernel")
     args = p.parse_args()
     data, table = {}, []
     if args.decode:
-        data["decode"] = decode_runs(args.store)
+        data["decode"] = decode_runs(args.store, profile=args.profile)
         table += [["decode", r["mode"], f"{r['decode_tok_s']:.1f} tok/s", f"{r['ms_per_token']:.2f} ms/token", ""]
                   for r in data["decode"]]
     if args.prefill:

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import random
 
 import torch
@@ -88,8 +89,9 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
 
 
 def decode_configs(quick: bool):
-    grid = itertools.product([16, 32, 64], [64, 128, 256], [32, 64, 128], [64, 128, 256], [2, 4, 8], [2, 3, 4], [0, 1])
-    out = [TileConfig(16, bn, bk, bnd, bkd, w, s, u) for bn, bk, bnd, bkd, w, s, u in grid]
+    grid = itertools.product([8, 16, 32, 64], [64, 128, 256], [16, 32, 64], [64, 128, 256], [1, 2, 4], [1, 2])
+    out = [TileConfig(1, bn, bk, bnd, bkd, w, s) for bn, bk, bnd, bkd, w, s in grid
+           if bn * bk <= 8192 and bnd * bkd <= 8192]
     random.Random(0).shuffle(out)
     return out[: 12 if quick else 60]
 
@@ -105,6 +107,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tune", action="store_true")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--phases", default="decode,prefill")
     args = p.parse_args()
     g = QWEN3_30B
     hbm, mm = hbm_copy_gbs(), bf16_matmul_tflops()
@@ -115,6 +118,8 @@ def main() -> None:
         layout = RecordLayout.build(precision, g["hidden"], g["inter"])
         pool = random_pool(layout, 4 * g["experts"] if precision == "q4" else g["experts"])
         for phase, configs in (("decode", decode_configs(args.quick)), ("prefill", prefill_configs(args.quick))):
+            if phase not in args.phases.split(","):
+                continue
             scored = []
             for cfg in configs:
                 try:
@@ -142,8 +147,10 @@ def main() -> None:
     results["best"] = best
     write(out_dir("kernels"), "kernels", results, table, ["experts", "phase", "rows", "time", "rate", "vs limit"])
     if args.tune:
+        os.makedirs(os.path.dirname(CONFIG_PATH), exist_ok=True)
+        merged = json.load(open(CONFIG_PATH)) if os.path.isfile(CONFIG_PATH) else {}
         with open(CONFIG_PATH, "w") as f:
-            json.dump(best, f, indent=1)
+            json.dump({**merged, **best}, f, indent=1)
         print(f"wrote {CONFIG_PATH}")
 
 

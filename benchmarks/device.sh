@@ -16,6 +16,10 @@ for stage in "$@"; do
     kernels-full) python -m benchmarks.bench_kernels --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
                   cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
     store) [ -f $STORE/manifest.json ] || python -m benchmarks.synthetic $STORE --geometry qwen3-30b ;;
+    kernels-decode) timeout 150 python -m benchmarks.bench_kernels --quick --tune --phases decode 2>&1 | tee "$OUT/kernels.log" | tail -8
+                    cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
+    kernel-tests) timeout 150 python -m pytest -q -m gpu tests/kernels 2>&1 | tail -4 ;;
+    decode) timeout 200 python -m benchmarks.bench_e2e $STORE --decode --profile 2>&1 | tee "$OUT/decode.log" | tail -30 ;;
     e2e) timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     limits) python -c "from benchmarks.common import limits; print(limits())" 2>&1 | tee "$OUT/limits.log" ;;
   esac

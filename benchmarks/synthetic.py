@@ -58,6 +58,8 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
             t = torch.ones(shape) if not cfg.is_hybrid else torch.zeros(shape)
         else:
             t = torch.randn(shape, generator=gen, device=dev) * (shape[-1] ** -0.5 if len(shape) > 1 else 0.1)
+            if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                t = t * 0.1  # small block outputs keep each token's embedding visible to the routers
             if name.endswith("mlp.gate.weight") and skew:
                 t = t * torch.arange(1, shape[0] + 1, device=dev).float().pow(-skew)[:, None] * shape[0] ** (skew / 2)
         writer.write(name, t.to(torch.bfloat16).cpu())
@@ -71,9 +73,10 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
                                   device=dev, dtype=torch.int32)
             recs = words.view(torch.uint8).view(g.num_experts, layout.stride)
             for fld in layout.fields:
-                if fld.dtype == "bfloat16":  # w = 0.004 q - 0.03: weights within +-0.03
+                if fld.dtype == "bfloat16":  # w = s q + b within +-7.5 s (small, so activations stay sane)
+                    scale = 0.0005 if fld.name.startswith("down") else 0.002
                     recs[:, fld.offset: fld.offset + fld.nbytes].view(torch.bfloat16).fill_(
-                        0.004 if fld.name.endswith("_s") else -0.03)
+                        scale if fld.name.endswith("_s") else -7.5 * scale)
             f.write(recs.cpu().numpy().tobytes())
     files = {name: file_check(os.path.join(out, name)) for name in (DENSE_FILE, experts_file("q4"))}
     manifest = Manifest(cfg.model_type, hf, {"kind": "synthetic", "geometry": geometry, "skew": skew}, "bfloat16", g,

@@ -32,7 +32,7 @@ class TileConfig:
     unpack: int = 0
 
 
-DEFAULTS = {"decode": TileConfig(16, 32, 128, 32, 128, 4, 3), "prefill": TileConfig(64, 64, 64, 64, 64, 4, 3)}
+DEFAULTS = {"decode": TileConfig(1, 32, 128, 32, 128, 4, 2), "prefill": TileConfig(128, 64, 64, 128, 128, 8, 4, 1)}
 
 
 @functools.cache
@@ -56,7 +56,7 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
 def _fit(block: int, dim: int) -> int:
     while dim % block and block > 16:
         block //= 2
-    return block
+    return block if dim % block == 0 else dim
 
 
 def _offsets(layout: RecordLayout) -> dict:
@@ -68,8 +68,11 @@ def _offsets(layout: RecordLayout) -> dict:
 def launch(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
            tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, top_k: int, phase: str,
            h: torch.Tensor | None = None, cfg: TileConfig | None = None) -> None:
-    """Run gate/up then down over the given tiles. x [T, H]; out [T * top_k, H]; entries [M]."""
-    from moestream.kernels.triton.expert_mlp import down_kernel, gate_up_kernel
+    """Run gate/up then down over the given tiles. x [T, H]; out [T * top_k, H]; entries [M].
+
+    Decode tiles are single entries (tile i is entry entries[i]) and run as GEMVs that never unpack a
+    tile; prefill tiles run as tensor-core GEMMs over dequantized tiles."""
+    from moestream.kernels.triton.expert_mlp import down_gemv_kernel, down_kernel, gate_up_gemv_kernel, gate_up_kernel
 
     cfg = cfg or tile_config(phase, layout)
     hidden, inter = layout.hidden_size, layout.intermediate_size
@@ -78,6 +81,15 @@ def launch(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr:
         h = torch.empty(entries.shape[0], inter, dtype=x.dtype, device=x.device)
     o = _offsets(layout)
     bits, group = layout.bits, layout.group_size or 64
+    if phase == "decode":
+        gate_up_gemv_kernel[(tiles, inter // cfg.bn_gate_up)](
+            x, h, entries, tile_addr, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"], o["up_s"], o["up_b"],
+            H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        down_gemv_kernel[(tiles, hidden // cfg.bn_down)](
+            h, out, entries, tile_addr, o["down_w"], o["down_s"], o["down_b"], H=hidden, I=inter, BITS=bits,
+            GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
     gate_up_kernel[(tiles, inter // cfg.bn_gate_up)](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"],
         o["up_s"], o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BM=cfg.bm,
@@ -94,17 +106,25 @@ def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: Rec
 
     Prefill tiles cover up to `bm` entries of one expert. Decode tiles hold one entry each, exactly as
     in graph mode, so a decode step computes the same bits whether or not it went through the host."""
-    bm = tile_config(phase, layout).bm if phase == "prefill" else 1
     base, stride = buffer.data_ptr(), buffer.stride(0)
+    if phase == "decode":  # one tile per entry, in `order`: the entries themselves index the tiles
+        addr = [base + slot * stride for j, slot in enumerate(slots) for _ in range(offsets[j], offsets[j + 1])]
+        meta = _to_device(torch.tensor([addr], dtype=torch.int64), x.device)
+        launch(x, out, order, meta[0], order, order, layout, top_k, phase)
+        return
+    bm = tile_config(phase, layout).bm
     addr, start, count = [], [], []
     for j, slot in enumerate(slots):
         for m0 in range(offsets[j], offsets[j + 1], bm):
             addr.append(base + slot * stride)
             start.append(m0)
             count.append(min(bm, offsets[j + 1] - m0))
-    meta = torch.tensor([addr, start, count], dtype=torch.int64)
-    meta = meta.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else meta
+    meta = _to_device(torch.tensor([addr, start, count], dtype=torch.int64), x.device)
     launch(x, out, order, meta[0], meta[1], meta[2], layout, top_k, phase)
+
+
+def _to_device(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
 
 
 @functools.cache

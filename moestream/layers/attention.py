@@ -16,16 +16,17 @@ class KVCache:
     """One layer's keys and values for one sequence: [capacity, kv_heads, head_dim], grown by doubling."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 64):
-        self.k = torch.empty(capacity, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.k = torch.zeros(capacity, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
         self.length = 0
 
     def reserve(self, capacity: int) -> None:
         """Grow to hold `capacity` positions (static decode needs buffers that never move)."""
         if capacity > self.k.shape[0]:
             extra = capacity - self.k.shape[0]
-            self.k = torch.cat([self.k, self.k.new_empty(extra, *self.k.shape[1:])])
-            self.v = torch.cat([self.v, self.v.new_empty(extra, *self.v.shape[1:])])
+            # zeros, not garbage: masked positions still meet V in softmax @ V, and 0 * NaN is NaN
+            self.k = torch.cat([self.k, self.k.new_zeros(extra, *self.k.shape[1:])])
+            self.v = torch.cat([self.v, self.v.new_zeros(extra, *self.v.shape[1:])])
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[0]

@@ -1,7 +1,6 @@
 """The invariance of test_invariance.py on CUDA (bf16): Triton kernels, the ring, graphs and zero-copy."""
 
 import pytest
-import torch
 
 from moestream.engine.llm import LLM
 from tests.engine.runs import greedy_trace, prompt_of

@@ -93,3 +93,67 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
         d = _weight_tile(base, off_dw, off_ds, off_db, n, k0, I, BITS, GROUP, BN, BK, UNPACK)
         acc = tl.dot(h, tl.trans(d.to(h.dtype)), acc)
     tl.store(y_ptr + entry[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _gemv_tile(base, off_w, off_s, off_b, n, vec_ptr, k0, K: tl.constexpr, BITS: tl.constexpr,
+               GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """sum_k W[n, k] * v[k] over columns k0..k0+BK for rows `n` [BN] -> [BN] fp32.
+
+    Q4 without unpacking into a tile: per group g, s_g * sum(q * v) + b_g * sum(v), the codes taken
+    from each word by shifting in place ([BN, groups, words, codes] broadcasting)."""
+    if BITS == 16:
+        k = k0 + tl.arange(0, BK)
+        w = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :]).to(tl.float32)
+        v = tl.load(vec_ptr + k).to(tl.float32)
+        return tl.sum(w * v[None, :], axis=1)
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GROUP // PER  # words per group
+    G: tl.constexpr = BK // GROUP
+    g = tl.arange(0, G)
+    wi = tl.arange(0, WPG)
+    c = tl.arange(0, PER)
+    word_col = k0 // PER + g[:, None] * WPG + wi[None, :]  # [G, WPG]
+    words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None, None] * (K // PER) + word_col[None])
+    kk = k0 + (g[:, None, None] * WPG + wi[None, :, None]) * PER + c[None, None, :]  # [G, WPG, PER]
+    v = tl.load(vec_ptr + kk).to(tl.float32)
+    codes = ((words[:, :, :, None] >> (c * BITS)[None, None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    qv = tl.sum(tl.sum(codes * v[None], axis=3), axis=2)  # [BN, G]
+    vsum = tl.sum(tl.sum(v, axis=2), axis=1)  # [G]
+    gi = n[:, None] * (K // GROUP) + k0 // GROUP + g[None, :]
+    s = tl.load((base + off_s).to(tl.pointer_type(tl.bfloat16)) + gi).to(tl.float32)
+    b = tl.load((base + off_b).to(tl.pointer_type(tl.bfloat16)) + gi).to(tl.float32)
+    return tl.sum(s * qv + b * vsum[None, :], axis=1)
+
+
+@triton.jit
+def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gs, off_gb, off_uw, off_us, off_ub,
+                        H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr,
+                        GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T)."""
+    i, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(entries_ptr + i)
+    base = tl.load(tile_addr_ptr + i).to(tl.pointer_type(tl.uint8))
+    xrow = x_ptr + (e // TOP_K) * H
+    n = pid_n * BN + tl.arange(0, BN)
+    acc_g = tl.zeros((BN,), dtype=tl.float32)
+    acc_u = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        acc_g += _gemv_tile(base, off_gw, off_gs, off_gb, n, xrow, k0, H, BITS, GROUP, BN, BK)
+        acc_u += _gemv_tile(base, off_uw, off_us, off_ub, n, xrow, k0, H, BITS, GROUP, BN, BK)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
+
+
+@triton.jit
+def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_ds, off_db, H: tl.constexpr, I: tl.constexpr,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Decode: y[entries[i]] = h[i] @ down.T."""
+    i, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(entries_ptr + i)
+    base = tl.load(tile_addr_ptr + i).to(tl.pointer_type(tl.uint8))
+    n = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        acc += _gemv_tile(base, off_dw, off_ds, off_db, n, h_ptr + i * I, k0, I, BITS, GROUP, BN, BK)
+    tl.store(y_ptr + e * H + n, acc.to(y_ptr.dtype.element_ty))
