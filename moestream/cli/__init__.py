@@ -1,4 +1,6 @@
-"""`moestream` command line: a thin table of subcommands, each a module with `add_args` and `run`."""
+"""`moestream` command line: a thin table of subcommands, each a module with `add_args` and `run`.
+
+Only the chosen command's module is imported, so `moestream --help` and light commands start fast."""
 
 from __future__ import annotations
 
@@ -11,16 +13,27 @@ from moestream.errors import MoestreamError
 COMMANDS = {
     "pack": "pack a Hugging Face or MLX checkpoint folder into a store",
     "generate": "generate a completion for one prompt",
+    "chat": "chat in the terminal (keeps history, uses the chat template)",
+    "serve": "serve an OpenAI-compatible HTTP API",
+    "stats": "show what a running server's expert cache is doing",
+    "demo": "build a tiny model, pack it and run it with a pool smaller than the model",
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moestream", description="Run MoE models larger than GPU memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
-        module = importlib.import_module(f"moestream.cli.{name}")
-        module.add_args(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            importlib.import_module(f"moestream.cli.{name}").add_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = _parser(command).parse_args(argv)
     module = importlib.import_module(f"moestream.cli.{args.command}")
     try:
         return module.run(args) or 0
