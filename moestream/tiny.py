@@ -47,7 +47,7 @@ def tiny_config(model_type: str, **overrides: Any):
     return AutoConfig.for_model(hf_type, **kwargs)
 
 
-def make_tiny_checkpoint(path: str, model_type: str, seed: int = 0, dtype: str = "bfloat16",
+def make_tiny_checkpoint(path: str, model_type: str, seed: int = 0, dtype: str = "bfloat16", words: bool = False,
                          **overrides: Any) -> str:
     """Build a random model from a tiny config and `save_pretrained` it to `path`."""
     import torch
@@ -63,7 +63,7 @@ def make_tiny_checkpoint(path: str, model_type: str, seed: int = 0, dtype: str =
             elif "ple.conv1d" in name:  # qwen4_exp's PLE conv starts at zero, which would hide it
                 p.copy_(torch.randn_like(p) * 0.3)
     model.save_pretrained(path)
-    make_tiny_tokenizer(path)
+    make_tiny_tokenizer(path, words)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
@@ -75,18 +75,39 @@ def make_tiny_checkpoint(path: str, model_type: str, seed: int = 0, dtype: str =
     return path
 
 
-def make_tiny_tokenizer(path: str) -> None:
-    """A byte-level tokenizer (special tokens, then the 256 bytes) with a ChatML template."""
+WORDS = (
+    "the of and to in is that it for on with as was by at be this from or have an are not but which one all "
+    "were can there been has more if will when their who out so what about up into than them some could time "
+    "other these may then do first any my now such like our over only new most also after did many before "
+    "must through back years where much your way well down should because each just those people how too "
+    "little state good very make world still own see men work long get here between both life being under "
+    "never day same another know while last might us great old year off come since against go came right used "
+    "take three small large place again home found thought went say part once general high upon school every "
+    "does got left number course war until always away something fact though water less public put think "
+    "almost hand enough far took head yet government system better set told nothing night end why called "
+    "expert pool ring stream disk memory token layer model route cache read write fast slow bytes graph kernel"
+).split()
+
+
+def make_tiny_tokenizer(path: str, words: bool = False) -> None:
+    """A byte-level tokenizer (special tokens, then the 256 bytes), or with `words` a word-level one (so a
+    random model prints random words rather than broken bytes); both with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    if words:
+        vocab.update({w: len(SPECIAL_TOKENS) + i for i, w in enumerate(dict.fromkeys(WORDS + ["<unk>"]))})
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    else:
+        vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
+                                   additional_special_tokens=["<|im_start|>"], unk_token="<unk>" if words else None)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 

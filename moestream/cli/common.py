@@ -44,15 +44,3 @@ def open_llm(args: argparse.Namespace):
 
     return LLM(args.store, device=args.device, dtype=args.dtype, pool_gb=args.pool_gb, host_gb=args.host_gb,
                experts=args.experts, ring_slots=args.ring, ring_group=args.group, lookahead=not args.no_lookahead)
-
-
-def cache_summary(stats: dict) -> str:
-    """One line on what the expert cache did during a request."""
-    parts = []
-    for precision, c in stats.get("experts", {}).items():
-        lookups = c["lookups"] or 1
-        reads = c["reads"]
-        parts.append(f"{precision}: {c['hits'] / lookups:.0%} hits ({c['hits']}/{c['lookups']}), "
-                     f"read {reads['disk']['bytes'] / 1e9:.2f} GB from disk, {reads['host']['bytes'] / 1e9:.2f} GB "
-                     f"from host, prefetched {c['prefetch_issued']} ({c['prefetch_used']} used)")
-    return "experts " + "; ".join(parts) if parts else "experts: no lookups"

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from moestream.cli.common import add_engine_args, add_sampling_args, cache_summary, open_llm, sampling_params
+from moestream.cli.common import add_engine_args, add_sampling_args, open_llm, sampling_params
+from moestream.stats.render import one_line
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         t = out.stats["timings"]
         print(f"prompt {t['prompt_tokens']} tokens at {t['prefill_tok_s']:.1f} tok/s, generated "
               f"{t['generated_tokens']} at {t['decode_tok_s']:.1f} tok/s ({out.finish_reason})", file=sys.stderr)
-        print(cache_summary(out.stats), file=sys.stderr)
+        print(one_line(out.stats["experts"]), file=sys.stderr)
     finally:
         llm.close()
     return 0

@@ -59,7 +59,7 @@ class StreamingProvider:
         self.cfg, self.geometry = cfg, store.manifest.geometry
         self.layout = store.manifest.layouts[cfg.precision]
         self.device = Device(device, cfg.io_timeout_s)
-        self.stats = ExpertStats(self.geometry.num_layers)
+        self.stats = ExpertStats(self.geometry.num_layers, self.geometry.num_experts)
         stride = self.layout.stride
         self.pool = ExpertPool(pool_slots_for(store, cfg, device, top_k), cfg.ring_slots, stride, device)
         reader = RecordReader(store.experts_path(cfg.precision), stride, self.geometry.num_records, cfg.direct_io)
@@ -116,6 +116,7 @@ class StreamingProvider:
     def _lookup(self, layer: int, rid: int) -> int | None:
         c = self.stats.at(layer, self.cfg.precision)
         c.lookups += 1
+        self.stats.expert_uses[layer][rid % self.geometry.num_experts] += 1
         slot = self.pool.lookup(rid)
         if slot is not None:
             c.hits += 1
@@ -313,6 +314,19 @@ class StreamingProvider:
         done.record(self.device.compute_stream())
         for s in slots:
             self.pool.last_use[s] = done
+
+    def snapshot(self) -> dict:
+        """The counters, with which experts of each layer are resident in the GPU pool right now."""
+        n = self.geometry.num_experts
+        resident = [[] for _ in range(self.geometry.num_layers)]
+        for rid in sorted(self.pool.slot_of):
+            resident[rid // n].append(rid % n)
+        self.stats.resident = resident
+        snap = self.stats.snapshot()
+        snap["pool"] = {"slots": self.pool.num_slots, "resident": self.pool.resident,
+                        "ring_slots": self.pool.ring_slots, "stride": self.layout.stride,
+                        "precision": self.cfg.precision, "host_slots": self.host.capacity if self.host else 0}
+        return snap
 
     def attach(self, routers: dict[int, torch.Tensor], top_k: int) -> None:
         self.routers, self._top_k = routers, top_k

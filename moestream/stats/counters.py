@@ -39,8 +39,10 @@ class LayerCounters:
 class ExpertStats:
     """Counters for every (record layer, precision); thread-safe updates from reader threads."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, num_experts: int = 0):
         self.layers: list[dict[str, LayerCounters]] = [dict() for _ in range(num_layers)]
+        self.expert_uses = [[0] * num_experts for _ in range(num_layers)]  # lookups per (layer, expert)
+        self.resident: list[list[int]] = [[] for _ in range(num_layers)]  # filled by the provider on snapshot
         self.lock = threading.Lock()
         self.direct_io: bool | None = None
         self.timings: list[dict] = []  # per prefill layer: copy, compute and wall seconds (when profiled)
@@ -73,4 +75,6 @@ class ExpertStats:
                             tt["bytes"] += rb["bytes"]
                     else:
                         t[k] += v
-        return {"direct_io": self.direct_io, "layers": layers, "totals": totals, "prefill_timings": list(self.timings)}
+        experts = [{"uses": list(u), "resident": list(r)} for u, r in zip(self.expert_uses, self.resident)]
+        return {"direct_io": self.direct_io, "layers": layers, "totals": totals, "experts": experts,
+                "prefill_timings": list(self.timings)}
