@@ -1,0 +1,64 @@
+"""The peers, run on the same geometry and prompts as moestream: transformers with the whole bf16 model on
+the GPU, and transformers + accelerate with the routed experts offloaded to CPU RAM (`dispatch_model`)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from moestream.experts.store import open_store
+
+
+def _hf_model(store: str, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(open_store(store).manifest.config)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+@torch.inference_mode()
+def _rates(model, vocab: int, device: str, decode_tokens: int, prefill: tuple[int, ...]) -> list[dict]:
+    rng = random.Random(0)
+    out = []
+    ids = torch.tensor([[rng.randrange(vocab) for _ in range(16)]], device=device)
+    model.generate(ids, max_new_tokens=2, do_sample=False)  # warm
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    out.append({"scenario": "decode", "tokens": 16, "rate": decode_tokens / (time.perf_counter() - start)})
+    for n in prefill:
+        ids = torch.tensor([[rng.randrange(vocab) for _ in range(n)]], device=device)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        torch.cuda.synchronize()
+        out.append({"scenario": "prefill", "tokens": n, "rate": n / (time.perf_counter() - start)})
+    return out
+
+
+def run_peers(store: str, offload_tokens: int = 3) -> list[dict]:
+    runs = []
+    model = _hf_model(store, "cuda")
+    vocab = model.config.vocab_size
+    for r in _rates(model, vocab, "cuda", 32, (512, 4096)):
+        runs.append({"engine": "transformers (GPU)", "pool": 1.0, "host_tier": False, **r})
+        print(runs[-1])
+    del model
+    torch.cuda.empty_cache()
+    from accelerate import dispatch_model
+
+    model = _hf_model(store, "cpu")
+    device_map = {name: ("cpu" if ".mlp.experts" in name else 0) for name, _ in model.named_modules()
+                  if name.count(".") == 4 or name in ("model.embed_tokens", "model.norm", "lm_head")}
+    device_map = {"": 0, **{n: d for n, d in device_map.items() if d == "cpu"}}
+    model = dispatch_model(model, device_map=device_map)
+    for r in _rates(model, vocab, "cuda", offload_tokens, (512,)):
+        runs.append({"engine": "transformers + accelerate (experts on CPU)", "pool": 0.0, "host_tier": True, **r})
+        print(runs[-1])
+    return runs

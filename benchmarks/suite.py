@@ -1,0 +1,153 @@
+"""The benchmark suite (issue 7): moestream at real model sizes beside the peers and the physical limits,
+in one run. Each stage fits one 10-minute call on the GPU machine:
+
+  python -m benchmarks.suite stores     # real-geometry synthetic stores (30B; qwen3.8-flash-next layers to fit)
+  python -m benchmarks.suite limits     # pinned H2D, O_DIRECT disk, HBM copy
+  python -m benchmarks.suite moestream  # decode b=1, prefill 512/4096; pool 100/50/25%; host tier on/off
+  python -m benchmarks.suite peers      # transformers on GPU; transformers + accelerate with offloaded experts
+  python -m benchmarks.suite report     # table + plots from what the stages wrote
+
+Stages append to `suite.json` in the results folder ($OUT on the GPU machine); `report` reads it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+
+from benchmarks.common import limits, machine, out_dir
+from moestream.experts.store import open_store
+
+STORES = {"qwen3-30b": "/tmp/suite-qwen3-30b", "qwen3.8-flash-next": "/tmp/suite-qwen4"}
+POOLS = (1.0, 0.5, 0.25)
+
+
+def _state(path: str) -> dict:
+    f = os.path.join(path, "suite.json")
+    return json.load(open(f)) if os.path.isfile(f) else {"machine": machine(), "runs": []}
+
+
+def _save(path: str, state: dict) -> None:
+    with open(os.path.join(path, "suite.json"), "w") as f:
+        json.dump(state, f, indent=1, default=str)
+
+
+def stage_stores(args) -> None:
+    from benchmarks.synthetic import build
+
+    build(STORES["qwen3-30b"], "qwen3-30b", skew=args.skew)
+    free = os.statvfs("/tmp").f_bavail * os.statvfs("/tmp").f_frsize
+    per_layer = 512 * 2_764_800  # qwen4_exp Q4 records per layer
+    layers = max(4, min(48, int((free - 8e9) // per_layer) // 4 * 4))
+    build(STORES["qwen3.8-flash-next"], "qwen3.8-flash-next", layers=layers, skew=args.skew)
+
+
+def _bound(scenario: dict, lim: dict) -> float:
+    """The physical bound on a scenario's rate: the larger of its streaming time (bytes from disk and host
+    over their measured bandwidths), its HBM time for resident experts, and its dense bf16 compute time."""
+    tier_bw = {"disk": lim["disk_odirect_gbs"], "host": lim["h2d_pinned_gbs"]}
+    moved = sum(scenario["bytes"][t] / (tier_bw[t] * 1e9) for t in ("disk", "host"))
+    hbm = scenario["bytes"]["gpu"] / (lim["hbm_copy_gbs"] / 2 * 1e9)  # reads only: half the copy figure
+    compute = scenario["flops"] / (lim["bf16_matmul_tflops"] * 1e12)
+    seconds = max(moved, hbm, compute)
+    return scenario["work"] / seconds if seconds else float("inf")
+
+
+def flops_per_token(path: str) -> float:
+    """2 x the parameters a token touches: the dense weights plus top-k routed experts per MoE layer."""
+    s = open_store(path)
+    cfg, g = s.model, s.manifest.geometry
+    dense = os.path.getsize(s.dense_path) / 2 - cfg.vocab_size * cfg.hidden_size  # bf16; the embedding is a lookup
+    return 2 * (dense + g.num_layers * cfg.num_experts_per_tok * 3 * g.hidden_size * g.intermediate_size)
+
+
+def stage_moestream(args) -> list[dict]:
+    from moestream.engine.llm import LLM
+    from moestream.sampling import SamplingParams
+
+    runs = []
+    for name, path in STORES.items():
+        if not os.path.isfile(os.path.join(path, "manifest.json")):
+            continue
+        m = open_store(path).manifest
+        total_gb = m.geometry.num_records * m.layouts["q4"].stride / 1e9
+        per_token = flops_per_token(path)
+        for frac in POOLS:
+            for host in (False, True):
+                if frac == 1.0 and host:
+                    continue
+                llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
+                          host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host)
+                rng = random.Random(0)
+                vocab = llm.config.vocab_size
+                for kind, n, new in (("decode", 16, 64), ("prefill", 512, 1), ("prefill", 4096, 1)):
+                    ids = [rng.randrange(vocab) for _ in range(n)]
+                    out = llm.generate([ids], SamplingParams(max_tokens=new, ignore_eos=True))[0]
+                    t, e = out.stats["timings"], out.stats["experts"]["q4"]
+                    rate = t["decode_tok_s"] if kind == "decode" else t["prefill_tok_s"]
+                    work = new if kind == "decode" else n
+                    run = {"model": name, "engine": "moestream", "scenario": kind, "tokens": n, "pool": frac,
+                           "host_tier": host, "rate": rate, "work": work, "flops": work * per_token,
+                           "bytes": {tier: e["reads"][tier]["bytes"] for tier in ("disk", "host", "gpu")}}
+                    runs.append(run)
+                    print(json.dumps(run))
+                llm.close()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    return runs
+
+
+def stage_peers(args) -> list[dict]:
+    """transformers with the whole bf16 model on the GPU, and with the experts offloaded by accelerate."""
+    from benchmarks.peers import run_peers
+
+    return run_peers(STORES["qwen3-30b"], offload_tokens=args.offload_tokens)
+
+
+def stage_report(args) -> None:
+    from benchmarks.report import write_report
+
+    write_report(args.out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("stage", choices=["stores", "limits", "moestream", "peers", "report"])
+    p.add_argument("--skew", type=float, default=0.0, help="router skew for the stores (0 = even popularity)")
+    p.add_argument("--offload-tokens", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--store", action="append", default=[], help="NAME=PATH: benchmark this store instead")
+    args = p.parse_args()
+    args.out = args.out or out_dir("suite")
+    os.makedirs(args.out, exist_ok=True)
+    for spec in args.store:
+        name, path = spec.split("=", 1)
+        STORES.clear() if spec == args.store[0] else None
+        STORES[name] = path
+    state = _state(args.out)
+    start = time.time()
+    if args.stage == "stores":
+        stage_stores(args)
+    elif args.stage == "limits":
+        state["limits"] = limits()
+        print(state["limits"])
+    elif args.stage in ("moestream", "peers"):
+        runs = stage_moestream(args) if args.stage == "moestream" else stage_peers(args)
+        lim = state.get("limits")
+        for r in runs:
+            r["bound"] = _bound(r, lim) if lim and r["engine"] == "moestream" else None
+        state["runs"] = [r for r in state["runs"] if r["engine"] != runs[0]["engine"]] + runs if runs else state["runs"]
+    else:
+        stage_report(args)
+    state.setdefault("stage_seconds", {})[args.stage] = time.time() - start
+    _save(args.out, state)
+
+
+if __name__ == "__main__":
+    main()
