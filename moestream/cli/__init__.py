@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "serve an OpenAI-compatible HTTP API",
     "stats": "show what a running server's expert cache is doing",
     "demo": "build a tiny model, pack it and run it with a pool smaller than the model",
+    "bench": "run a stage of the benchmark suite (from a checkout)",
 }
 
 
