@@ -275,6 +275,7 @@ class ExpertConfig:
     """How routed experts are kept and streamed (DESIGN.md section 3)."""
 
     precision: str = "q4"  # "q4", "q3", "q2" or "bf16"
+    miss_precision: str | None = None  # "q3"/"q2" with q4: misses fetched low-bit (--miss-experts)
     pool_gb: float | None = None  # GPU pool budget in decimal GB; None = automatic
     host_gb: float = 0.0  # pinned host-RAM tier; 0 = off
     ring_slots: int = 64  # prefill ring (Cherenkov: 64)

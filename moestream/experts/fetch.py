@@ -60,12 +60,12 @@ class Fetcher:
         `dst_last_use`: the compute event after the slot's last reader; `wait_for`: an earlier fetch into the
         same slot that must land first."""
         host_slot, host_wait, source = None, None, "disk"
-        if self.host is not None:
-            host_slot = self.host.lookup(rid)
+        if self.host is not None:  # host-tier keys carry the precision: mixed mode keeps both
+            host_slot = self.host.lookup((precision, rid))
             if host_slot is not None:
                 source = "host"
             else:
-                host_slot = self.host.allocate(rid)
+                host_slot = self.host.allocate((precision, rid))
             host_wait = self.host.last_job[host_slot]
         future = self.pool.submit(self._job, rid, precision, layer, dst, dst_last_use, wait_for, ready, source,
                                   host_slot, host_wait, started)
@@ -110,9 +110,9 @@ class Fetcher:
 
     def fill_host(self, rid: int, precision: str, layer: int) -> Future:
         """Read record `rid` from disk into the host tier only (preloading for zero-copy reads)."""
-        slot = self.host.lookup(rid)
+        slot = self.host.lookup((precision, rid))
         if slot is None:
-            slot = self.host.allocate(rid)
+            slot = self.host.allocate((precision, rid))
         wait = self.host.last_job[slot]
 
         def job():

@@ -89,7 +89,11 @@ class RecordLayout:
                 if inp % group_size:
                     raise ValueError(f"{precision} experts need sizes that are multiples of {group_size} "
                                      f"(hidden {hidden}, intermediate {inter})")
-            specs = [(f"{p}_w", "int32", (shapes[p][0], shapes[p][1] * bits // 32)) for p in PROJECTIONS]
+            # Q3 keeps its low two bits like Q2 (`_w`) and its high bit in a plane of its own (`_h`).
+            plane_bits = 2 if bits == 3 else bits
+            specs = [(f"{p}_w", "int32", (shapes[p][0], shapes[p][1] * plane_bits // 32)) for p in PROJECTIONS]
+            if bits == 3:
+                specs += [(f"{p}_h", "int32", (shapes[p][0], shapes[p][1] // 32)) for p in PROJECTIONS]
             for p in PROJECTIONS:
                 out, inp = shapes[p]
                 specs += [(f"{p}_s", scale_dtype, (out, inp // group_size)),

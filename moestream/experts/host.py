@@ -14,19 +14,19 @@ class HostTier:
     def __init__(self, capacity: int, stride: int, pinned: bool):
         self.capacity, self.stride = capacity, stride
         self.buffer = host_buffer(capacity * stride, pinned).view(capacity, stride)
-        self.slot_of: dict[int, int] = {}
-        self.rid_of: list[int | None] = [None] * capacity
+        self.slot_of: dict[tuple[str, int], int] = {}  # (precision, record id) -> slot
+        self.rid_of: list[tuple[str, int] | None] = [None] * capacity
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(capacity))
         self.last_job: list[Future | None] = [None] * capacity
         self.copy_event: list = [None] * capacity  # the last GPU copy out of the slot
 
-    def lookup(self, rid: int) -> int | None:
+    def lookup(self, rid: tuple[str, int]) -> int | None:
         slot = self.slot_of.get(rid)
         if slot is not None:
             self.lru.move_to_end(slot)
         return slot
 
-    def allocate(self, rid: int) -> int:
+    def allocate(self, rid: tuple[str, int]) -> int:
         slot = next(iter(self.lru))
         old = self.rid_of[slot]
         if old is not None:

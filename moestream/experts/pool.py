@@ -24,6 +24,7 @@ class ExpertPool:
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))  # oldest first
         self.pinned: set[int] = set()
         self.prefetched: set[int] = set()  # records fetched by lookahead and not used yet
+        self.precision_of: list[str | None] = [None] * total  # a record keeps its precision while cached
         self.pending: list[Future | None] = [None] * total
         self.ready: list = [None] * total
         self.last_use: list = [None] * total

@@ -60,7 +60,8 @@ def _fit(block: int, dim: int) -> int:
 
 
 def _offsets(layout: RecordLayout) -> dict:
-    names = ("gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b", "down_w", "down_s", "down_b")
+    names = ("gate_w", "gate_h", "gate_s", "gate_b", "up_w", "up_h", "up_s", "up_b", "down_w", "down_h", "down_s",
+             "down_b")
     have = {f.name: f.offset for f in layout.fields}
     return {n: have.get(n, 0) for n in names}
 
@@ -83,19 +84,21 @@ def launch(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr:
     bits, group = layout.bits, layout.group_size or 64
     if phase == "decode":
         gate_up_gemv_kernel[(tiles, inter // cfg.bn_gate_up)](
-            x, h, entries, tile_addr, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"], o["up_s"], o["up_b"],
+            x, h, entries, tile_addr, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"],
+            o["up_s"], o["up_b"],
             H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         down_gemv_kernel[(tiles, hidden // cfg.bn_down)](
-            h, out, entries, tile_addr, o["down_w"], o["down_s"], o["down_b"], H=hidden, I=inter, BITS=bits,
-            GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            h, out, entries, tile_addr, o["down_w"], o["down_h"], o["down_s"], o["down_b"], H=hidden, I=inter,
+            BITS=bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
     gate_up_kernel[(tiles, inter // cfg.bn_gate_up)](
-        x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"],
-        o["up_s"], o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BM=cfg.bm,
+        x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
+        o["up_w"], o["up_h"], o["up_s"], o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BM=cfg.bm,
         BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
-        h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_s"], o["down_b"], H=hidden,
+        h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
+        H=hidden,
         I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down, UNPACK=cfg.unpack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

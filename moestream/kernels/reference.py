@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from moestream.experts.format import RecordLayout
 from moestream.quant.affine import dequantize
+from moestream.quant.lowbit import dequantize_lowbit
 
 
 def expert_weights(record: torch.Tensor, layout: RecordLayout, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -14,6 +15,10 @@ def expert_weights(record: torch.Tensor, layout: RecordLayout, dtype: torch.dtyp
     v = layout.views(record)
     if layout.bits == 16:
         return tuple(v[f"{p}_w"].to(dtype) for p in ("gate", "up", "down"))
+    if layout.bits < 4:
+        return tuple(dequantize_lowbit([v[f"{p}_w"]] + ([v[f"{p}_h"]] if layout.bits == 3 else []), v[f"{p}_s"],
+                                       v[f"{p}_b"], layout.bits, layout.group_size).to(dtype)
+                     for p in ("gate", "up", "down"))
     return tuple(dequantize(v[f"{p}_w"], v[f"{p}_s"], v[f"{p}_b"], layout.bits, layout.group_size).to(dtype)
                  for p in ("gate", "up", "down"))
 

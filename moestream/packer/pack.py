@@ -28,7 +28,7 @@ from moestream.packer import checks
 from moestream.packer.dense import dense_names, write_dense, write_ngram_tables
 from moestream.packer.names import ExpertPlan, plan_experts
 from moestream.packer.progress import PackProgress
-from moestream.packer.records import encode_record
+from moestream.packer.records import encode_all
 from moestream.packer.sources import CheckpointSource, open_source
 from moestream.packer.verify import verify_samples
 
@@ -151,10 +151,9 @@ def _write_experts(src, plan, geometry, layouts, out, progress, ui) -> None:
                 continue
             for e in range(geometry.num_experts):
                 rid = geometry.rid(slot, e)
-                for p, layout in layouts.items():
-                    record = encode_record(src, plan, layout, slot, e)
-                    os.pwrite(fds[p], record.numpy().tobytes(), rid * layout.stride)
-                    ui.advance(layout.stride)
+                for p, record in encode_all(src, plan, layouts, slot, e).items():
+                    os.pwrite(fds[p], record.numpy().tobytes(), rid * layouts[p].stride)
+                    ui.advance(layouts[p].stride)
             for fd in fds.values():
                 os.fsync(fd)
             progress["layers_done"].append(slot)

@@ -9,6 +9,7 @@ from moestream.experts.format import PROJECTIONS, RecordLayout
 from moestream.packer.names import ExpertPlan, ExpertRef
 from moestream.packer.sources import CheckpointSource
 from moestream.quant.affine import quantize
+from moestream.quant.lowbit import derive_codes
 
 
 def read_projection(src: CheckpointSource, ref: ExpertRef, part: str = "weight") -> torch.Tensor:
@@ -48,3 +49,37 @@ def encode_record(
             views[f"{p}_s"].copy_(scales)
             views[f"{p}_b"].copy_(biases)
     return record
+
+
+def derive_record(q4_record: torch.Tensor, q4: RecordLayout, low: RecordLayout) -> torch.Tensor:
+    """A Q3/Q2 record from a Q4 one: codes shifted right, scales and biases kept (no re-quantizing)."""
+    record = torch.zeros(low.stride, dtype=torch.uint8)
+    src, dst = q4.views(q4_record), low.views(record)
+    for p in PROJECTIONS:
+        planes = derive_codes(src[f"{p}_w"], low.bits)
+        dst[f"{p}_w"].copy_(planes[0])
+        if low.bits == 3:
+            dst[f"{p}_h"].copy_(planes[1])
+        dst[f"{p}_s"].copy_(src[f"{p}_s"])
+        dst[f"{p}_b"].copy_(src[f"{p}_b"])
+    return record
+
+
+def encode_all(src: CheckpointSource, plan: ExpertPlan, layouts: dict[str, RecordLayout], slot: int,
+               expert: int) -> dict[str, torch.Tensor]:
+    """Every requested precision of one expert; Q3/Q2 derive from the (possibly unstored) Q4 record."""
+    out: dict[str, torch.Tensor] = {}
+    low = [p for p, layout in layouts.items() if layout.bits in (2, 3)]
+    q4 = layouts.get("q4")
+    if low and q4 is None:
+        any_layout = layouts[low[0]]
+        q4 = RecordLayout.build("q4", any_layout.hidden_size, any_layout.intermediate_size)
+    q4_record = encode_record(src, plan, q4, slot, expert) if q4 is not None and (low or "q4" in layouts) else None
+    for p, layout in layouts.items():
+        if p == "q4":
+            out[p] = q4_record
+        elif p in low:
+            out[p] = derive_record(q4_record, q4, layout)
+        else:
+            out[p] = encode_record(src, plan, layout, slot, expert)
+    return out

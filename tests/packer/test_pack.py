@@ -100,7 +100,7 @@ def test_resume_after_interrupt(tiny, tmp_path, monkeypatch):
     import moestream.packer.pack as pack_module
 
     ckpt, out = tiny.checkpoint("qwen2_moe"), str(tmp_path / "store")
-    real, calls = pack_module.encode_record, {"n": 0}
+    real, calls = pack_module.encode_all, {"n": 0}
 
     def dying(*args):
         calls["n"] += 1
@@ -108,12 +108,12 @@ def test_resume_after_interrupt(tiny, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(pack_module, "encode_record", dying)
+    monkeypatch.setattr(pack_module, "encode_all", dying)
     with pytest.raises(KeyboardInterrupt):
         pack(ckpt, out, PackOptions(precisions=("q4",), show_progress=False))
     progress = json.load(open(os.path.join(out, PROGRESS_FILE)))
     assert progress["layers_done"] == [0]
-    monkeypatch.setattr(pack_module, "encode_record", real)
+    monkeypatch.setattr(pack_module, "encode_all", real)
     pack(ckpt, out, PackOptions(precisions=("q4",), show_progress=False))
     with open(os.path.join(out, "experts.q4.bin"), "rb") as a, \
             open(os.path.join(tiny.store("qwen2_moe"), "experts.q4.bin"), "rb") as b:

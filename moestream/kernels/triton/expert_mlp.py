@@ -11,8 +11,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _weight_tile(base, off_w, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
+def _affine(base, off_s, off_b, g, BITS: tl.constexpr):
+    """Scale and bias at group indices `g`; Q3/Q2 codes (derived from Q4) sit at their bins' midpoints."""
+    s = tl.load((base + off_s).to(tl.pointer_type(tl.bfloat16)) + g).to(tl.float32)
+    b = tl.load((base + off_b).to(tl.pointer_type(tl.bfloat16)) + g).to(tl.float32)
+    if BITS < 4:
+        m: tl.constexpr = 1 << (4 - BITS)
+        b = b + s * ((m - 1) / 2)
+        s = s * m
+    return s, b
+
+
+@triton.jit
+def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """A [BN, BK] tile (rows `rows`, columns k0..k0+BK) of an [N, K] weight, dequantized to fp32.
 
     UNPACK 0 loads each code's word (the repeats hit L1); UNPACK 1 loads each word once and splits it
@@ -21,31 +33,32 @@ def _weight_tile(base, off_w, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.
     if BITS == 16:
         ptr = (base + off_w).to(tl.pointer_type(tl.bfloat16))
         return tl.load(ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
-    PER: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
+    PER: tl.constexpr = 32 // WBITS
+    MASK: tl.constexpr = (1 << WBITS) - 1
     wptr = (base + off_w).to(tl.pointer_type(tl.int32))
-    sptr = (base + off_s).to(tl.pointer_type(tl.bfloat16))
-    bptr = (base + off_b).to(tl.pointer_type(tl.bfloat16))
-    if UNPACK == 0:
+    if UNPACK == 0 or BITS == 3:
         words = tl.load(wptr + rows[:, None] * (K // PER) + (cols[None, :] // PER))
-        codes = ((words >> ((cols[None, :] % PER) * BITS)) & MASK).to(tl.float32)
-        g = rows[:, None] * (K // GROUP) + cols[None, :] // GROUP
-        return codes * tl.load(sptr + g).to(tl.float32) + tl.load(bptr + g).to(tl.float32)
+        codes = (words >> ((cols[None, :] % PER) * WBITS)) & MASK
+        if BITS == 3:
+            hptr = (base + off_h).to(tl.pointer_type(tl.int32))
+            high = tl.load(hptr + rows[:, None] * (K // 32) + cols[None, :] // 32)
+            codes = codes | (((high >> (cols[None, :] % 32)) & 1) << 2)
+        s, b = _affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + cols[None, :] // GROUP, BITS)
+        return codes.to(tl.float32) * s + b
     wcols = k0 // PER + tl.arange(0, BK // PER)
     words = tl.load(wptr + rows[:, None] * (K // PER) + wcols[None, :])  # [BN, BK / PER]
     shifts = tl.arange(0, PER) * BITS
     codes = ((words[:, :, None] >> shifts[None, None, :]) & MASK).to(tl.float32)  # [BN, BK / PER, PER]
     gcols = k0 // GROUP + tl.arange(0, BK // GROUP)
-    g = rows[:, None] * (K // GROUP) + gcols[None, :]
-    scale = tl.load(sptr + g).to(tl.float32)
-    bias = tl.load(bptr + g).to(tl.float32)
+    scale, bias = _affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + gcols[None, :], BITS)
     w = tl.reshape(codes, (BN, BK // GROUP, GROUP)) * scale[:, :, None] + bias[:, :, None]
     return tl.reshape(w, (BN, BK))
 
 
 @triton.jit
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
-                   off_gw, off_gs, off_gb, off_uw, off_us, off_ub,
+                   off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
@@ -64,9 +77,9 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
         x = x.to(x_ptr.dtype.element_ty)
-        g = _weight_tile(base, off_gw, off_gs, off_gb, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
+        g = _weight_tile(base, off_gw, off_gh, off_gs, off_gb, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
         acc_g = tl.dot(x, tl.trans(g.to(x.dtype)), acc_g)
-        u = _weight_tile(base, off_uw, off_us, off_ub, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
+        u = _weight_tile(base, off_uw, off_uh, off_us, off_ub, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
         acc_u = tl.dot(x, tl.trans(u.to(x.dtype)), acc_u)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + (start + m)[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=valid[:, None])
@@ -74,7 +87,7 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 
 @triton.jit
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
-                off_dw, off_ds, off_db,
+                off_dw, off_dh, off_ds, off_db,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
@@ -90,13 +103,13 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
     for k0 in range(0, I, BK):
         k = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + (start + m)[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
-        d = _weight_tile(base, off_dw, off_ds, off_db, n, k0, I, BITS, GROUP, BN, BK, UNPACK)
+        d = _weight_tile(base, off_dw, off_dh, off_ds, off_db, n, k0, I, BITS, GROUP, BN, BK, UNPACK)
         acc = tl.dot(h, tl.trans(d.to(h.dtype)), acc)
     tl.store(y_ptr + entry[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
-def _gemv_tile(base, off_w, off_s, off_b, n, vec_ptr, k0, K: tl.constexpr, BITS: tl.constexpr,
+def _gemv_tile(base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, K: tl.constexpr, BITS: tl.constexpr,
                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """sum_k W[n, k] * v[k] over columns k0..k0+BK for rows `n` [BN] -> [BN] fp32.
 
@@ -107,7 +120,8 @@ def _gemv_tile(base, off_w, off_s, off_b, n, vec_ptr, k0, K: tl.constexpr, BITS:
         w = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :]).to(tl.float32)
         v = tl.load(vec_ptr + k).to(tl.float32)
         return tl.sum(w * v[None, :], axis=1)
-    PER: tl.constexpr = 32 // BITS
+    WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
+    PER: tl.constexpr = 32 // WBITS
     WPG: tl.constexpr = GROUP // PER  # words per group
     G: tl.constexpr = BK // GROUP
     g = tl.arange(0, G)
@@ -117,17 +131,21 @@ def _gemv_tile(base, off_w, off_s, off_b, n, vec_ptr, k0, K: tl.constexpr, BITS:
     words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None, None] * (K // PER) + word_col[None])
     kk = k0 + (g[:, None, None] * WPG + wi[None, :, None]) * PER + c[None, None, :]  # [G, WPG, PER]
     v = tl.load(vec_ptr + kk).to(tl.float32)
-    codes = ((words[:, :, :, None] >> (c * BITS)[None, None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-    qv = tl.sum(tl.sum(codes * v[None], axis=3), axis=2)  # [BN, G]
+    codes = (words[:, :, :, None] >> (c * WBITS)[None, None, None, :]) & ((1 << WBITS) - 1)
+    if BITS == 3:  # the high bit of column kk lives in word kk // 32 of the `_h` plane, at bit kk % 32
+        hptr = (base + off_h).to(tl.pointer_type(tl.int32))
+        hcol = (k0 + g[:, None] * GROUP + wi[None, :] * PER) // 32  # [G, WPG]
+        high = tl.load(hptr + n[:, None, None] * (K // 32) + hcol[None])
+        codes = codes | (((high[:, :, :, None] >> (kk % 32)[None]) & 1) << 2)
+    qv = tl.sum(tl.sum(codes.to(tl.float32) * v[None], axis=3), axis=2)  # [BN, G]
     vsum = tl.sum(tl.sum(v, axis=2), axis=1)  # [G]
-    gi = n[:, None] * (K // GROUP) + k0 // GROUP + g[None, :]
-    s = tl.load((base + off_s).to(tl.pointer_type(tl.bfloat16)) + gi).to(tl.float32)
-    b = tl.load((base + off_b).to(tl.pointer_type(tl.bfloat16)) + gi).to(tl.float32)
+    s, b = _affine(base, off_s, off_b, n[:, None] * (K // GROUP) + k0 // GROUP + g[None, :], BITS)
     return tl.sum(s * qv + b * vsum[None, :], axis=1)
 
 
 @triton.jit
-def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gs, off_gb, off_uw, off_us, off_ub,
+def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh,
+                        off_us, off_ub,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr,
                         GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T)."""
@@ -139,14 +157,15 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gs
     acc_g = tl.zeros((BN,), dtype=tl.float32)
     acc_u = tl.zeros((BN,), dtype=tl.float32)
     for k0 in range(0, H, BK):
-        acc_g += _gemv_tile(base, off_gw, off_gs, off_gb, n, xrow, k0, H, BITS, GROUP, BN, BK)
-        acc_u += _gemv_tile(base, off_uw, off_us, off_ub, n, xrow, k0, H, BITS, GROUP, BN, BK)
+        acc_g += _gemv_tile(base, off_gw, off_gh, off_gs, off_gb, n, xrow, k0, H, BITS, GROUP, BN, BK)
+        acc_u += _gemv_tile(base, off_uw, off_uh, off_us, off_ub, n, xrow, k0, H, BITS, GROUP, BN, BK)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
 
 
 @triton.jit
-def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_ds, off_db, H: tl.constexpr, I: tl.constexpr,
+def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_dh, off_ds, off_db, H: tl.constexpr,
+                     I: tl.constexpr,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Decode: y[entries[i]] = h[i] @ down.T."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
@@ -155,5 +174,5 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_ds, o
     n = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros((BN,), dtype=tl.float32)
     for k0 in range(0, I, BK):
-        acc += _gemv_tile(base, off_dw, off_ds, off_db, n, h_ptr + i * I, k0, I, BITS, GROUP, BN, BK)
+        acc += _gemv_tile(base, off_dw, off_dh, off_ds, off_db, n, h_ptr + i * I, k0, I, BITS, GROUP, BN, BK)
     tl.store(y_ptr + e * H + n, acc.to(y_ptr.dtype.element_ty))

@@ -1,0 +1,53 @@
+"""Optional per-layer prefill timing with CUDA events: copy-stream busy time, expert compute time and
+wall time, resolved only when the stats are read (no synchronisation while running)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Profiler:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.layers: list[dict] = []
+        self.current: dict | None = None
+
+    def begin(self, layer: int) -> dict | None:
+        if not self.enabled:
+            return None
+        self.current = {"layer": layer, "copies": [], "compute": [], "start": self.mark()}
+        self.layers.append(self.current)
+        return self.current
+
+    def end(self, prof: dict | None) -> None:
+        if prof is not None:
+            prof["end"] = self.mark()
+            self.current = None
+
+    def mark(self):
+        if not self.enabled:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def copy_events(self, device) -> tuple:
+        """(started, ready) events for a copy that belongs to the layer being profiled, or (None, None)."""
+        if self.current is None:
+            return None, None
+        started, ready = device.event(timing=True), device.event(timing=True)
+        self.current["copies"].append((started, ready))
+        return started, ready
+
+    def resolve(self, device: torch.device) -> list[dict]:
+        if not self.layers:
+            return []
+        torch.cuda.synchronize(device)
+        out = []
+        for p in self.layers:
+            out.append({"layer": p["layer"], "copies": len(p["copies"]),
+                        "copy_s": sum(a.elapsed_time(b) for a, b in p["copies"]) / 1e3,
+                        "compute_s": sum(a.elapsed_time(b) for a, b in p["compute"]) / 1e3,
+                        "wall_s": p["start"].elapsed_time(p["end"]) / 1e3})
+        self.layers = []
+        return out

@@ -1,0 +1,60 @@
+"""Adding a Q3 or Q2 expert file to a finished store, derived from its Q4 records (built on first use).
+
+The new file is written beside the store under a temporary name, checked, renamed, and only then does
+the manifest (rewritten atomically) mention it, so an interrupted build leaves the store as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from moestream.errors import StoreError
+from moestream.experts.format import MANIFEST, RecordLayout, experts_file
+from moestream.experts.store import open_store
+from moestream.packer.checks import file_check
+from moestream.packer.records import derive_record
+
+BATCH = 64
+
+
+def ensure_precision(store_path: str, precision: str, show_progress: bool = True) -> None:
+    store = open_store(store_path, verify=False)
+    m = store.manifest
+    if precision in m.layouts:
+        return
+    if precision not in ("q3", "q2"):
+        raise StoreError(f"{store_path} has no {precision} experts, and only q3/q2 can be derived; pack again")
+    if "q4" not in m.layouts:
+        raise StoreError(f"{store_path} has no q4 experts to derive {precision} from; pack with --experts 4,3,2")
+    q4 = m.layouts["q4"]
+    low = RecordLayout.build(precision, q4.hidden_size, q4.intermediate_size, q4.group_size)
+    total = m.geometry.num_records
+    final = os.path.join(store_path, experts_file(precision))
+    partial = final + ".partial"
+    if show_progress:
+        print(f"deriving {precision} experts from q4 ({total} records, once)...", file=sys.stderr)
+    with open(store.experts_path("q4"), "rb") as src, open(partial, "wb") as dst:
+        for start in range(0, total, BATCH):
+            n = min(BATCH, total - start)
+            raw = bytearray(src.read(n * q4.stride))
+            if len(raw) != n * q4.stride:
+                raise StoreError(f"{store.experts_path('q4')} is shorter than its manifest says")
+            records = torch.frombuffer(raw, dtype=torch.uint8).view(n, q4.stride)
+            dst.write(b"".join(derive_record(r, q4, low).numpy().tobytes() for r in records))
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(partial, final)
+    raw = json.load(open(os.path.join(store_path, MANIFEST)))
+    raw["experts"]["precisions"][precision] = low.to_json()
+    check = file_check(final)
+    raw["files"][experts_file(precision)] = {"size": check.size, "sha256": check.sha256,
+                                             "sample_sha256": check.sample_sha256}
+    tmp = os.path.join(store_path, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(raw, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(store_path, MANIFEST))
