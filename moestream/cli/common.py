@@ -13,6 +13,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-gb", type=float, help="GPU expert pool in decimal GB (default: from free memory)")
     p.add_argument("--host-gb", type=float, default=0.0, help="pinned host-RAM expert tier in GB (default 0: off)")
     p.add_argument("--experts", type=int, default=4, choices=[4, 3, 2, 16], help="expert precision (default 4)")
+    p.add_argument("--miss-experts", type=int, choices=[3, 2],
+                   help="with --experts 4: fetch demand and ring misses at 3 or 2 bits (pool fills stay 4-bit)")
     p.add_argument("--ring", type=int, default=64, help="prefill ring slots (default 64)")
     p.add_argument("--group", type=int, default=8, help="experts per ring batch (default 8)")
     p.add_argument("--no-lookahead", action="store_true", help="do not prefetch the next layer's experts")
@@ -39,8 +41,10 @@ def sampling_params(args: argparse.Namespace):
                           stop=tuple(args.stop))
 
 
-def open_llm(args: argparse.Namespace):
+def open_llm(args: argparse.Namespace, **options):
+    """The `LLM` the engine options ask for; `options` go to `LLM` as they are (serve: prefix cache)."""
     from moestream.engine.llm import LLM
 
     return LLM(args.store, device=args.device, dtype=args.dtype, pool_gb=args.pool_gb, host_gb=args.host_gb,
-               experts=args.experts, ring_slots=args.ring, ring_group=args.group, lookahead=not args.no_lookahead)
+               experts=args.experts, miss_experts=args.miss_experts, ring_slots=args.ring, ring_group=args.group,
+               lookahead=not args.no_lookahead, **options)

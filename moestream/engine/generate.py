@@ -49,12 +49,21 @@ def sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, device: torch.device) -> torch.Tensor:
-    """Feed `ids` through the model in chunks; returns the last position's logits [vocab]."""
-    hidden = None
-    for start in range(0, len(ids), chunk):
-        piece = torch.tensor(ids[start: start + chunk], dtype=torch.long, device=device)
+def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, device: torch.device,
+            on_boundary=None) -> torch.Tensor:
+    """Feed `ids` (the tokens after `state.length`) through the model; returns the last position's logits [vocab].
+
+    Chunks end at multiples of `chunk` counted from the sequence start, so a state restored at such a
+    boundary continues with exactly the forwards of an uncached run; `on_boundary(state)` runs at each."""
+    hidden, start = None, state.length
+    done, end = start, start + len(ids)
+    while done < end:
+        stop = min(end, (done // chunk + 1) * chunk)
+        piece = torch.tensor(ids[done - start: stop - start], dtype=torch.long, device=device)
         hidden = model(piece, state)
+        if on_boundary is not None and stop % chunk == 0:
+            on_boundary(state)
+        done = stop
     return model.logits(hidden[-1:])[0]
 
 
@@ -66,16 +75,17 @@ def eager_step(model: CausalLM, device: torch.device):
 
 @torch.inference_mode()
 def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-        logits: torch.Tensor | None = None, step=None) -> Iterator[Step]:
+        logits: torch.Tensor | None = None, step=None, on_boundary=None) -> Iterator[Step]:
     """Yield generated tokens; `logits` are the prompt's last logits when the caller already prefilled;
-    `step(token, state) -> logits` is the decode step (eager by default, a CUDA decoder on GPU)."""
+    `step(token, state) -> logits` is the decode step (eager by default, a CUDA decoder on GPU);
+    `on_boundary(state)` sees the state at each prefill chunk boundary (the prefix cache keeps it)."""
     step = step or eager_step(model, device)
     p, t = seq.params, seq.timings
     sampler = Sampler(p, device)
     start = time.perf_counter()
     if logits is None:
         todo = seq.prompt[seq.state.length:]
-        logits = prefill(model, todo, seq.state, chunk, device)
+        logits = prefill(model, todo, seq.state, chunk, device, on_boundary)
     sync(device)
     t.prompt_tokens = len(seq.prompt)
     t.prefill_seconds += time.perf_counter() - start

@@ -1,0 +1,134 @@
+"""Prompt prefix cache: sequence-state snapshots at fixed prefill boundaries, LRU under a byte budget.
+
+Contract (exactness): the engine always cuts a prompt's prefill at multiples of `chunk` counted from
+the first token, and this cache stores `SequenceState.snapshot()`s taken only at those boundaries. A
+hit restores the deepest cached boundary that is a prefix of the new prompt and leaves at least one
+prompt token to compute, so the forwards that follow are exactly the ones an uncached run makes and
+the output does not depend on what was cached. Attention caches also get back the capacity they had
+when the snapshot was taken (the CUDA decoder attends over the whole buffer, so its size must match).
+
+Keys are a chain hash of token blocks (block i's key covers tokens [0, (i+1) * chunk)); a hit is also
+checked token by token. Snapshots live in host memory (they must not take GPU memory from the expert
+pool) and are copied back to the device on a hit. Only the engine thread calls `restore` and `insert`;
+`stats()` may be read from any thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moestream.models.base import SequenceState
+
+
+@dataclass
+class _Entry:
+    state: SequenceState  # on the host
+    capacities: list[int | None]  # per layer: KV buffer rows when snapshotted (None: not an attention cache)
+    nbytes: int
+
+
+def block_keys(ids: list[int], chunk: int, blocks: int) -> list[bytes]:
+    """The chain hashes of the first `blocks` full blocks of `ids`."""
+    keys, prev = [], b""
+    for i in range(blocks):
+        block = np.asarray(ids[i * chunk: (i + 1) * chunk], dtype=np.int64).tobytes()
+        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+        keys.append(prev)
+    return keys
+
+
+def _tensors(obj, fn):
+    """Replace every tensor held by the state `obj` (its attributes, nested states and lists of states) by
+    `fn(tensor)`, in place; returns the total bytes."""
+    total = 0
+    items = enumerate(obj) if isinstance(obj, list) else list(vars(obj).items())
+    for name, value in items:
+        if isinstance(value, torch.Tensor):
+            moved = fn(value)
+            total += moved.numel() * moved.element_size()
+            if isinstance(obj, list):
+                obj[name] = moved
+            else:
+                setattr(obj, name, moved)
+        elif hasattr(value, "snapshot") or (isinstance(value, list) and value and hasattr(value[0], "snapshot")):
+            total += _tensors(value, fn)  # nested states (every state has snapshot()); not token lists
+    return total
+
+
+def _capacity(layer_state) -> int | None:
+    return layer_state.k.shape[0] if hasattr(layer_state, "reserve") else None
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, chunk: int, device: torch.device):
+        self.budget_bytes, self.chunk, self.device = budget_bytes, chunk, device
+        self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self.lock = threading.Lock()
+        self.bytes = 0
+        self.counters = dict(lookups=0, hits=0, misses=0, cached_tokens=0, inserts=0, evictions=0, too_big=0)
+
+    def restore(self, ids: list[int]) -> tuple[int, SequenceState | None]:
+        """The deepest cached boundary b < len(ids) that is a prefix of `ids` -> (b, a fresh state at b),
+        or (0, None). The state is a copy: the cached snapshot stays untouched."""
+        keys = block_keys(ids, self.chunk, (len(ids) - 1) // self.chunk)
+        with self.lock:
+            self.counters["lookups"] += 1
+            for depth in range(len(keys), 0, -1):
+                entry = self.entries.get(keys[depth - 1])
+                boundary = depth * self.chunk
+                if entry is not None and entry.state.tokens == ids[:boundary]:
+                    self.entries.move_to_end(keys[depth - 1])
+                    self.counters["hits"] += 1
+                    self.counters["cached_tokens"] += boundary
+                    break
+            else:
+                self.counters["misses"] += 1
+                return 0, None
+        state = entry.state.snapshot()
+        _tensors(state, lambda t: t.to(self.device))
+        for layer_state, capacity in zip(state.layers, entry.capacities):
+            if capacity is not None:
+                layer_state.reserve(capacity)
+        return boundary, state
+
+    def insert(self, state: SequenceState) -> None:
+        """Called by prefill at each boundary: keep a snapshot of `state` unless one is cached already."""
+        boundary = state.length
+        if boundary == 0 or boundary % self.chunk:
+            return
+        key = block_keys(state.tokens, self.chunk, boundary // self.chunk)[-1]
+        with self.lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                return
+        snap = state.snapshot()
+        nbytes = _tensors(snap, lambda t: t.cpu())
+        if nbytes > self.budget_bytes:
+            with self.lock:
+                self.counters["too_big"] += 1
+            return
+        entry = _Entry(snap, [_capacity(s) for s in state.layers], nbytes)
+        with self.lock:
+            while self.entries and self.bytes + nbytes > self.budget_bytes:
+                _, old = self.entries.popitem(last=False)
+                self.bytes -= old.nbytes
+                self.counters["evictions"] += 1
+            self.entries[key] = entry
+            self.bytes += nbytes
+            self.counters["inserts"] += 1
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+            self.bytes = 0
+
+    def stats(self) -> dict:
+        with self.lock:
+            return dict(self.counters, entries=len(self.entries), bytes=self.bytes, budget_bytes=self.budget_bytes,
+                        chunk=self.chunk)

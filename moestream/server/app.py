@@ -1,0 +1,282 @@
+"""The OpenAI-compatible HTTP app: `create_app(llm, ServerSettings(...))` -> a FastAPI app.
+
+Endpoints: GET /health (no key needed), GET /v1/models[/{id}], POST /v1/chat/completions,
+POST /v1/completions (both streaming as SSE ending in `data: [DONE]`, or not), GET /v1/stats (JSON:
+`engine` is exactly `llm.stats()`), GET /metrics (Prometheus text). Every error is OpenAI-shaped:
+{"error": {"message", "type", "param", "code"}} with 400 (bad request), 401 (key), 404 (model or
+route), 413 (body too large), 429 (queue full), 500. The app only calls the engine's public API,
+through one engine thread (server/worker.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from moestream.errors import MoestreamError
+from moestream.server.gate import Gate
+from moestream.server.metrics import ServerMetrics
+from moestream.server.protocol import APIError, ChatRequest, CompletionRequest, Shapes, parse, usage
+from moestream.server.worker import EngineWorker, Job, QueueFull
+
+DRAIN_LIMIT = 64 << 20  # an oversize body up to this size is read to the end, so the client sees the 413
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 64  # requests waiting behind the running one
+    max_tokens_limit: int = 4096
+    max_body_bytes: int = 1_000_000
+    completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat defaults to the limit
+
+
+def create_app(llm, settings: ServerSettings) -> FastAPI:
+    worker = EngineWorker(llm, settings.max_queue)
+    metrics = ServerMetrics(llm, worker)
+    started = time.time()
+    counts = {"total": 0, "2xx": 0, "4xx": 0, "5xx": 0}
+    tokens = {"prompt": 0, "generated": 0}
+    context_length = _context_length(llm)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="moestream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Gate, api_key=settings.api_key, metrics=metrics, counts=counts)
+    app.state.worker = worker
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404
+                                     else None).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request, e: Exception):
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": int(started), "owned_by": "moestream",
+                "max_model_len": context_length}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(404, f"model '{name}' does not exist; this server serves '{settings.model_name}'",
+                           param="model", code="model_not_found")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatRequest, await _read_json(request, settings.max_body_bytes))
+        messages = [m.as_template_message() for m in req.messages]
+        return await complete(request, req, True, lambda: llm.tokenizer.chat(messages), settings.max_tokens_limit)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await _read_json(request, settings.max_body_bytes))
+        prompt = req.single_prompt()
+        encode = (lambda: llm.tokenizer.encode(prompt)) if isinstance(prompt, str) else (lambda: list(prompt))
+        return await complete(request, req, False, encode, settings.completion_default_max_tokens)
+
+    async def complete(request: Request, req, chat: bool, tokenize, default_max_tokens: int):
+        check_model(req.model)
+        req.refuse_unsupported()
+        params = req.sampling_params(default_max_tokens, settings.max_tokens_limit)
+        param = "messages" if chat else "prompt"
+        try:
+            ids = await run_in_threadpool(tokenize)
+        except (MoestreamError, ValueError, TemplateError) as e:  # no chat template, or one refusing the messages
+            raise APIError(400, f"cannot build the prompt: {e}", param=param) from None
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        if any(not 0 <= i < llm.model_config.vocab_size for i in ids):
+            raise APIError(400, f"token ids must be in [0, {llm.model_config.vocab_size})", param=param)
+        params = fit_context(len(ids), params, bool(req.max_tokens or req.max_completion_tokens), param)
+        try:
+            job = worker.submit(ids, params)
+        except QueueFull:
+            raise APIError(429, f"the server is busy ({settings.max_queue} requests waiting); retry later",
+                           type="rate_limit_error", code="queue_full") from None
+        shapes = Shapes(chat, settings.model_name)
+        endpoint = request.url.path
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _JobStream(job, stream(job, shapes, include_usage, endpoint), media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        try:
+            text, out = [], None
+            while True:
+                kind, value = await job.events.get()
+                if kind == "text":
+                    text.append(value)
+                elif kind == "done":
+                    out = value
+                    break
+                elif kind == "error":
+                    raise _engine_error(value)
+                else:  # the client went away
+                    return Response(status_code=499)
+        finally:
+            watcher.cancel()
+        use = record(job, out, endpoint)
+        return shapes.response("".join(text), out.finish_reason, use)
+
+    async def stream(job: Job, shapes: Shapes, include_usage: bool, endpoint: str):
+        if shapes.chat:
+            yield _sse(shapes.chunk("", first=True))
+        first = True
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text":
+                if first:
+                    metrics.first_token.labels(endpoint).observe(time.monotonic() - job.submitted_at)
+                    first = False
+                yield _sse(shapes.chunk(value))
+            elif kind == "done":
+                use = record(job, value, endpoint)
+                yield _sse(shapes.chunk(None, value.finish_reason))
+                if include_usage:
+                    yield _sse(shapes.usage_chunk(use))
+                break
+            else:
+                yield _sse(_engine_error(value).body())
+                break
+        yield "data: [DONE]\n\n"
+
+    def record(job: Job, out, endpoint: str) -> dict:
+        now = time.monotonic()
+        metrics.latency.labels(endpoint).observe(now - job.submitted_at)
+        metrics.queue_wait.observe((job.started_at or now) - job.submitted_at)
+        metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        metrics.generated_tokens.inc(len(out.token_ids))
+        tokens["prompt"] += len(out.prompt_token_ids)
+        tokens["generated"] += len(out.token_ids)
+        return usage(len(out.prompt_token_ids), len(out.token_ids), out.stats["timings"]["cached_tokens"])
+
+    def fit_context(prompt_tokens: int, params, explicit: bool, param: str):
+        """Refuse a prompt (plus explicit max_tokens) past the context; trim a default max_tokens to fit."""
+        if context_length is None:
+            return params
+        room = context_length - prompt_tokens
+        if room < 1 or (explicit and params.max_tokens > room):
+            raise APIError(400, f"this model's context is {context_length} tokens; the prompt has {prompt_tokens} "
+                           f"and {params.max_tokens} more were asked for", param=param, code="context_length_exceeded")
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+
+    @app.get("/v1/stats")
+    async def stats():
+        engine = await run_in_threadpool(llm.stats)
+        return {"engine": engine, "server": server_stats(), "model": model_info()}
+
+    def server_stats() -> dict:
+        return {"uptime_seconds": time.time() - started, "requests": dict(counts, **worker.counts),
+                "queue": {"waiting": worker.jobs.qsize(), "max_waiting": settings.max_queue,
+                          "running": int(worker.running is not None)},
+                "tokens": dict(tokens), "engine_busy_seconds": worker.busy_seconds,
+                "prefix_cache": llm.prefix_cache.stats() if llm.prefix_cache else None,
+                "limits": {"max_tokens": settings.max_tokens_limit, "max_body_bytes": settings.max_body_bytes}}
+
+    def model_info() -> dict:
+        cfg, engine = llm.model_config, llm.engine_config
+        return {"id": settings.model_name, "model_type": cfg.model_type, "num_hidden_layers": cfg.num_hidden_layers,
+                "record_layers": cfg.num_record_layers, "num_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.num_experts_per_tok, "precision": engine.experts.precision,
+                "device": engine.device, "dtype": engine.dtype, "prefill_chunk": engine.prefill_chunk,
+                "max_model_len": context_length}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body = await run_in_threadpool(metrics.text)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+class _JobStream(StreamingResponse):
+    """An SSE response that cancels its job however it ends: finished, failed, or the client gone (Starlette
+    then cancels the body iterator, perhaps before it started)."""
+
+    def __init__(self, job: Job, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # the engine stops after its current token; a no-op for a finished job
+            self.job.cancel.set()
+
+
+def _context_length(llm) -> int | None:
+    raw = llm.model_config.raw
+    return raw.get("max_position_embeddings") or raw.get("text_config", {}).get("max_position_embeddings")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _engine_error(e: Exception) -> APIError:
+    if isinstance(e, MoestreamError):
+        return APIError(400, str(e))
+    return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+
+
+async def _read_json(request: Request, limit: int):
+    """The body as JSON; 413 past `limit` bytes, 400 when it does not parse."""
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > DRAIN_LIMIT:
+        raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+        elif size > DRAIN_LIMIT:
+            break
+    if size > limit:
+        raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel.set()
+    job.events.put_nowait(("gone", None))

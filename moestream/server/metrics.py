@@ -1,0 +1,79 @@
+"""Prometheus metrics for one server: request counters and latencies kept here, plus the engine's expert
+counters, the prefix cache and the queue read at scrape time.
+
+Each server gets its own registry (several apps can live in one process, as in the tests). Expert
+metrics are labelled by precision and, for reads, by tier (gpu = pool hits, host, disk).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)
+PREFIX_CACHE_COUNTERS = (  # metric name, PrefixCache.stats() key, help
+    ("hits", "hits", "requests that restored a cached prompt prefix"),
+    ("misses", "misses", "requests that found no cached prefix"),
+    ("skipped_prefill_tokens", "cached_tokens", "prompt tokens restored instead of prefilled"),
+    ("evictions", "evictions", "snapshots evicted to stay within the budget"),
+)
+
+
+class ServerMetrics:
+    def __init__(self, llm, worker):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("moestream_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("moestream_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("moestream_generation_tokens", "tokens generated", registry=r)
+        self.latency = Histogram("moestream_request_latency_seconds", "request time, arrival to last token",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token = Histogram("moestream_time_to_first_token_seconds", "arrival to first text",
+                                     ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("moestream_queue_wait_seconds", "time a request waited for the engine",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(llm, worker))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads the engine, prefix cache and queue on each scrape."""
+
+    def __init__(self, llm, worker):
+        self.llm, self.worker = llm, worker
+
+    def describe(self):
+        return []  # collected lazily; nothing to check at registration
+
+    def collect(self):
+        totals = self.llm.stats()["totals"]
+        names = sorted({k for c in totals.values() for k, v in c.items() if isinstance(v, int | float)})
+        for name in names:  # lookups, hits, misses, prefetches, read/wait seconds: whatever the engine counts
+            m = CounterMetricFamily(f"moestream_expert_{name}", f"expert {name.replace('_', ' ')}",
+                                    labels=["precision"])
+            for precision, c in totals.items():
+                m.add_metric([precision], c.get(name, 0))
+            yield m
+        records = CounterMetricFamily("moestream_expert_read_records", "expert records served, by tier",
+                                      labels=["precision", "tier"])
+        nbytes = CounterMetricFamily("moestream_expert_read_bytes", "expert bytes served, by tier",
+                                     labels=["precision", "tier"])
+        for precision, c in totals.items():
+            for tier, t in c["reads"].items():
+                records.add_metric([precision, tier], t["records"])
+                nbytes.add_metric([precision, tier], t["bytes"])
+        yield records
+        yield nbytes
+        cache = self.llm.prefix_cache.stats() if self.llm.prefix_cache else {}
+        for name, key, help_text in PREFIX_CACHE_COUNTERS:
+            yield CounterMetricFamily(f"moestream_prefix_cache_{name}", help_text, value=cache.get(key, 0))
+        yield GaugeMetricFamily("moestream_prefix_cache_bytes", "bytes held by the prefix cache",
+                                value=cache.get("bytes", 0))
+        yield GaugeMetricFamily("moestream_prefix_cache_entries", "snapshots held", value=cache.get("entries", 0))
+        yield GaugeMetricFamily("moestream_queue_depth", "requests waiting for the engine",
+                                value=self.worker.jobs.qsize())
+        yield GaugeMetricFamily("moestream_requests_running", "requests the engine is generating",
+                                value=int(self.worker.running is not None))

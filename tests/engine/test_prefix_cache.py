@@ -1,0 +1,115 @@
+"""The prefix cache: a restored prefix gives exactly the uncached output, for every model type."""
+
+import pytest
+import torch
+
+from moestream.engine.llm import LLM
+from moestream.engine.prefix_cache import PrefixCache, block_keys
+from moestream.engine.stream import TextStream
+from moestream.sampling import SamplingParams
+from tests.conftest import MODEL_TYPES
+
+CHUNK = 8
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models; spinning OpenMP threads only hurt on a shared machine
+    yield
+    torch.set_num_threads(before)
+
+
+def run(llm: LLM, ids: list[int]) -> tuple[list[int], int]:
+    out = llm.generate([ids], GREEDY)[0]
+    return out.token_ids, out.stats["timings"]["cached_tokens"]
+
+
+def assert_cached_runs_equal_plain_runs(plain: LLM, cached: LLM) -> None:
+    a = list(range(3, 43))  # 40 tokens: boundaries at 8, 16, 24, 32, 40
+    b = a[:30] + list(range(100, 110))  # shares 30 tokens with a
+    # (prompt, prefill tokens restored): the deepest cached boundary, leaving one token to compute
+    cases = [(a, 0), (b, 24), (a, 32), (a[:32], 24), (a[:33], 32), (b + [7], 40), (list(range(50, 60)), 0)]
+    for ids, restored in cases:
+        want, _ = run(plain, ids)
+        assert run(cached, ids) == (want, restored), ids
+    stats = cached.prefix_cache.stats()
+    assert (stats["hits"], stats["misses"]) == (5, 2)
+    assert stats["cached_tokens"] == 24 + 32 + 24 + 32 + 40
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_restored_prefixes_give_the_uncached_output(tiny, model_type):
+    store = tiny.store(model_type)
+    plain = LLM(store, device="cpu", prefill_chunk=CHUNK)
+    cached = LLM(store, device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=10)
+    assert_cached_runs_equal_plain_runs(plain, cached)
+    plain.close()
+    cached.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_context", [8192, 16])  # 16: the CUDA decoder grows its KV buffers mid-run
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_restored_prefixes_give_the_uncached_output_on_cuda(tiny, model_type, max_context):
+    store = tiny.store(model_type)
+    plain = LLM(store, device="cuda", prefill_chunk=CHUNK, max_context=max_context)
+    cached = LLM(store, device="cuda", prefill_chunk=CHUNK, max_context=max_context, prefix_cache_mb=10)
+    assert_cached_runs_equal_plain_runs(plain, cached)
+    plain.close()
+    cached.close()
+
+
+def test_restored_attention_caches_keep_their_capacity(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=10)
+    ids = list(range(3, 103))
+    seq = llm._sequence(ids, GREEDY)
+    list(llm._run(seq))
+    capacities = [s.k.shape[0] for s in seq.state.layers]
+    boundary, state = llm.prefix_cache.restore(ids + [5])
+    assert boundary == 96 and state.length == 96 and state.tokens == ids[:96]
+    assert [s.k.shape[0] for s in state.layers] == capacities  # as after an uncached prefill of 96 tokens
+    assert all(torch.equal(s.k[:96], r.k[:96]) for s, r in zip(state.layers, seq.state.layers))
+    llm.close()
+
+
+def test_lru_stays_within_the_byte_budget(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=10)
+    assert llm.prefix_cache.stats()["bytes"] == 0
+    run(llm, list(range(3, 20)))  # snapshots at 8 and 16
+    sizes = llm.prefix_cache.stats()["bytes"]
+    assert sizes > 0
+    small = PrefixCache(budget_bytes=sizes, chunk=CHUNK, device=llm.device)
+    llm.prefix_cache = small
+    run(llm, list(range(3, 20)))
+    run(llm, list(range(30, 47)))  # two more snapshots: the first two go
+    s = small.stats()
+    assert s["bytes"] <= sizes and s["entries"] == 2 and s["evictions"] == 2
+    assert run(llm, list(range(30, 47)))[1] == 16 and run(llm, list(range(3, 20)))[1] == 0
+    llm.close()
+
+
+def test_block_keys_chain_the_whole_prefix():
+    a, b = list(range(32)), list(range(32))
+    b[3] = 99  # differs in the first block only
+    ka, kb = block_keys(a, 8, 4), block_keys(b, 8, 4)
+    assert ka[0] != kb[0] and all(x != y for x, y in zip(ka[1:], kb[1:]))
+    assert block_keys(a, 8, 2) == ka[:2]
+
+
+def test_text_stream_holds_back_stop_strings_and_can_be_cancelled(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    ids = llm.tokenizer.encode("The expert pool holds")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    full = llm.generate([ids], params)[0].text
+    start = next(i for i in range(1, len(full) - 3) if full[i:i + 3].isascii() and full[i:i + 3].isprintable())
+    stop = full[start:start + 3]  # several byte tokens: the stream sees its start before knowing it is one
+    stream = TextStream(llm, ids, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))
+    pieces = list(stream)
+    assert "".join(pieces) == stream.output().text == full[: full.find(stop)]
+    assert stream.finish_reason == "stop"
+    stream = TextStream(llm, ids, params, cancelled=lambda: len(stream.tokens) >= 3)
+    list(stream)
+    assert (len(stream.tokens), stream.finish_reason) == (3, "cancelled")
+    llm.close()

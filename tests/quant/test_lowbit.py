@@ -1,0 +1,114 @@
+"""Q3/Q2 records derived from Q4 hold exactly q4 >> 1 / q4 >> 2 (read back with an independent numpy unpacker),
+keep their scales and biases, and dequantize at the bin midpoints."""
+
+import numpy as np
+import pytest
+import torch
+
+from moestream.engine.llm import LLM
+from moestream.experts.format import RecordLayout
+from moestream.packer.pack import PackOptions, pack
+from moestream.quant.lowbit import dequantize_lowbit
+from tests.engine.runs import greedy_trace, prompt_of
+from tests.packer.helpers import load_manifest, read_record
+
+
+def numpy_codes(words: torch.Tensor, bits: int) -> np.ndarray:
+    """Little-endian bit stream of int32 words -> codes of `bits` bits (independent of moestream)."""
+    raw = words.numpy().astype("<i4").view(np.uint8)
+    stream = np.unpackbits(raw, axis=-1, bitorder="little").reshape(words.shape[0], -1, bits)
+    return (stream * (1 << np.arange(bits))).sum(-1)
+
+
+@pytest.fixture(scope="module")
+def lowbit_store(tiny, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("lowbit") / "store")
+    pack(tiny.checkpoint("qwen3_moe"), out, PackOptions(precisions=("q4", "q3", "q2"), show_progress=False))
+    return out
+
+
+@pytest.mark.parametrize("precision,bits", [("q3", 3), ("q2", 2)])
+def test_records_are_shifted_q4(lowbit_store, precision, bits):
+    m = load_manifest(lowbit_store)
+    assert m.layouts[precision].record_bytes < m.layouts["q4"].record_bytes
+    for rid in (0, 5, m.geometry.num_records - 1):
+        q4, low = read_record(lowbit_store, "q4", rid), read_record(lowbit_store, precision, rid)
+        for p in ("gate", "up", "down"):
+            want = numpy_codes(q4[f"{p}_w"], 4) >> (4 - bits)
+            got = numpy_codes(low[f"{p}_w"], 2)  # Q3's low two bits, or all of Q2
+            if bits == 3:
+                got = got | (numpy_codes(low[f"{p}_h"], 1) << 2)
+            assert np.array_equal(got, want), (rid, p)
+            assert torch.equal(low[f"{p}_s"], q4[f"{p}_s"]) and torch.equal(low[f"{p}_b"], q4[f"{p}_b"])
+
+
+def test_midpoint_reconstruction():
+    words = torch.tensor([[0x76543210, 0xFEDCBA98 - (1 << 32)]], dtype=torch.int32)
+    from moestream.quant.lowbit import derive_codes
+
+    s, b = torch.ones(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)
+    words = words.repeat(1, 4)  # 64 codes: one group
+    w2 = dequantize_lowbit(derive_codes(words, 2), s, b, 2)
+    w3 = dequantize_lowbit(derive_codes(words, 3), s, b, 3)
+    q4 = torch.arange(16).repeat(4).float()
+    assert torch.equal(w2[0], (q4 // 4) * 4 + 1.5) and torch.equal(w3[0], (q4 // 2) * 2 + 0.5)
+
+
+@pytest.mark.parametrize("experts", [3, 2])
+def test_invariance_within_each_mode(lowbit_store, experts):
+    stride = RecordLayout.build(f"q{experts}", 64, 64).stride
+    reference = None
+    for pool_gb, ring in ((None, 64), (2.0001 * stride / 1e9, 8), (16.0001 * stride / 1e9, 4)):
+        llm = LLM(lowbit_store, device="cpu", experts=experts, pool_gb=pool_gb, ring_slots=ring, ring_group=2)
+        try:
+            trace = greedy_trace(llm, prompt_of(llm, 40), 12)
+        finally:
+            llm.close()
+        if reference is None:
+            reference = trace
+        assert trace[0] == reference[0] and torch.equal(trace[1], reference[1])
+
+
+def test_missing_variant_is_built_on_first_use(tiny, tmp_path):
+    import shutil
+
+    from moestream.experts.store import open_store
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny.store("qwen2_moe", experts=("q4",)), store)
+    llm = LLM(str(store), device="cpu", experts=2)
+    llm.close()
+    assert (store / "experts.q2.bin").is_file()
+    assert "q2" in open_store(str(store), verify=True).manifest.layouts
+
+
+def test_mixed_mode_reports_each_precision(lowbit_store):
+    stride = RecordLayout.build("q4", 64, 64).stride
+    llm = LLM(lowbit_store, device="cpu", experts=4, miss_experts=2, pool_gb=16.0001 * stride / 1e9, ring_slots=8,
+              ring_group=2)
+    try:
+        from moestream.sampling import SamplingParams
+
+        llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=12))
+        snap = llm.stats()
+        totals = snap["totals"]
+        assert totals["q2"]["reads"]["disk"]["records"] > 0 and totals["q4"]["reads"]["disk"]["records"] > 0
+        for precision, layout_stride in (("q4", stride), ("q2", RecordLayout.build("q2", 64, 64).stride)):
+            for tier in ("disk", "gpu"):
+                r = totals[precision]["reads"][tier]
+                assert r["bytes"] == r["records"] * layout_stride
+        # A record fetched at 2 bits on a demand miss stays a 2-bit resident: the next step hits it as it is.
+        provider = llm.provider
+        absent = [e for e in range(8) if provider.geometry.rid(1, e) not in provider.pool.slot_of][:2]
+        ids, x = torch.tensor([absent]), torch.randn(1, 64)
+        list(provider.batches(1, ids, x))
+        slots = [provider.pool.slot_of[provider.geometry.rid(1, e)] for e in absent]
+        fetched = [provider.pool.pending[s] for s in slots]
+        hits = totals["q2"]["hits"] if "q2" in totals else 0
+        batches = list(provider.batches(1, ids, x))
+        assert [provider.pool.precision_of[s] for s in slots] == ["q2", "q2"]
+        assert [provider.pool.pending[s] for s in slots] == fetched  # hit, not fetched again
+        assert [b.layout.precision for b in batches] == ["q2"]
+        assert llm.stats()["totals"]["q2"]["hits"] == hits + 2
+    finally:
+        llm.close()
