@@ -48,3 +48,16 @@ def open_llm(args: argparse.Namespace, **options):
     return LLM(args.store, device=args.device, dtype=args.dtype, pool_gb=args.pool_gb, host_gb=args.host_gb,
                experts=args.experts, miss_experts=args.miss_experts, ring_slots=args.ring, ring_group=args.group,
                lookahead=not args.no_lookahead, **options)
+
+
+def report(out, seconds: float | None = None) -> None:
+    """A request's timings and what the expert cache did, on stderr."""
+    import sys
+
+    from moestream.stats.render import one_line
+
+    t = out.stats["timings"]
+    tail = f"; {seconds:.1f} s in all" if seconds is not None else f" ({out.finish_reason})"
+    print(f"prompt {t['prompt_tokens']} tokens at {t['prefill_tok_s']:.1f} tok/s, generated "
+          f"{t['generated_tokens']} at {t['decode_tok_s']:.1f} tok/s{tail}", file=sys.stderr)
+    print(one_line(out.stats["experts"]), file=sys.stderr)

@@ -39,11 +39,11 @@ def build(home: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moestream.cli.common import report
     from moestream.engine.llm import LLM
     from moestream.engine.stream import TextStream
     from moestream.experts.store import open_store
     from moestream.sampling import SamplingParams
-    from moestream.stats.render import one_line
 
     store = build(args.home)
     m = open_store(store).manifest
@@ -62,11 +62,8 @@ def run(args: argparse.Namespace) -> int:
         for piece in stream:
             sys.stdout.write(piece)
             sys.stdout.flush()
-        out = stream.output()
-        t = out.stats["timings"]
-        print(f"\n\nprompt {t['prompt_tokens']} tokens at {t['prefill_tok_s']:.0f} tok/s; {t['generated_tokens']} "
-              f"tokens at {t['decode_tok_s']:.1f} tok/s; {time.perf_counter() - start:.1f} s in all", file=sys.stderr)
-        print(one_line(out.stats["experts"]), file=sys.stderr)
+        print("\n", file=sys.stderr)
+        report(stream.output(), time.perf_counter() - start)
     finally:
         llm.close()
     return 0

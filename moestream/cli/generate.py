@@ -6,8 +6,7 @@ import argparse
 import json
 import sys
 
-from moestream.cli.common import add_engine_args, add_sampling_args, open_llm, sampling_params
-from moestream.stats.render import one_line
+from moestream.cli.common import add_engine_args, add_sampling_args, open_llm, report, sampling_params
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,10 +35,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
         else:
             sys.stdout.write("\n")
-        t = out.stats["timings"]
-        print(f"prompt {t['prompt_tokens']} tokens at {t['prefill_tok_s']:.1f} tok/s, generated "
-              f"{t['generated_tokens']} at {t['decode_tok_s']:.1f} tok/s ({out.finish_reason})", file=sys.stderr)
-        print(one_line(out.stats["experts"]), file=sys.stderr)
+        report(out)
     finally:
         llm.close()
     return 0

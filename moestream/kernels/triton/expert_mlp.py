@@ -57,20 +57,26 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, K: tl.constexpr, BI
 
 
 @triton.jit
+def _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM: tl.constexpr):
+    """This program's tile: its record's base pointer, first position, the [BM] positions' mask and entries."""
+    tile = tl.program_id(0)
+    base = tl.load(tile_addr_ptr + tile).to(tl.pointer_type(tl.uint8))
+    start = tl.load(tile_start_ptr + tile)
+    m = tl.arange(0, BM)
+    valid = m < tl.load(tile_count_ptr + tile)
+    entry = tl.load(entries_ptr + start + m, mask=valid, other=0)
+    return base, start + m, valid, entry
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                    off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    base = tl.load(tile_addr_ptr + tile).to(tl.pointer_type(tl.uint8))
-    start = tl.load(tile_start_ptr + tile)
-    count = tl.load(tile_count_ptr + tile)
-    m = tl.arange(0, BM)
-    valid = m < count
-    entry = tl.load(entries_ptr + start + m, mask=valid, other=0)
+    base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     row = entry // TOP_K
-    n = pid_n * BN + tl.arange(0, BN)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -82,7 +88,7 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
         u = _weight_tile(base, off_uw, off_uh, off_us, off_ub, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
         acc_u = tl.dot(x, tl.trans(u.to(x.dtype)), acc_u)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + (start + m)[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(h_ptr + pos[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -91,18 +97,12 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    base = tl.load(tile_addr_ptr + tile).to(tl.pointer_type(tl.uint8))
-    start = tl.load(tile_start_ptr + tile)
-    count = tl.load(tile_count_ptr + tile)
-    m = tl.arange(0, BM)
-    valid = m < count
-    entry = tl.load(entries_ptr + start + m, mask=valid, other=0)
-    n = pid_n * BN + tl.arange(0, BN)
+    base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         k = k0 + tl.arange(0, BK)
-        h = tl.load(h_ptr + (start + m)[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
+        h = tl.load(h_ptr + pos[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
         d = _weight_tile(base, off_dw, off_dh, off_ds, off_db, n, k0, I, BITS, GROUP, BN, BK, UNPACK)
         acc = tl.dot(h, tl.trans(d.to(h.dtype)), acc)
     tl.store(y_ptr + entry[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
