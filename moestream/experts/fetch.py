@@ -52,6 +52,7 @@ class Fetcher:
         stride = max(r.stride for r in readers.values())
         self.staging = StagingPool(staging, stride, device.cuda, device) if host is None else None
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-read")
+        self.enqueue_lock = threading.Lock()
 
     def fetch(self, rid: int, precision: str, layer: int, dst: torch.Tensor, dst_last_use, wait_for: Future | None,
               ready, started=None) -> Future:
@@ -93,7 +94,8 @@ class Fetcher:
             self.stats.read(layer, precision, "disk", stride, seconds)
         else:
             self.stats.read(layer, precision, "host", stride)
-        with self.device.copy_context():
+        # One enqueue at a time: each copy's wait, start and ready events stay contiguous on the stream.
+        with self.enqueue_lock, self.device.copy_context():
             self.device.wait_on_copy(dst_last_use)
             if started is not None:  # profiling: the copy's start on the copy stream
                 started.record(self.device.copy_stream)
