@@ -66,9 +66,9 @@ class LLM:
                 ensure_precision(store, p)
                 self.store = open_store(store)
             self.store.experts_path(p)  # refuses a precision the store lacks, before loading anything
-        self.config = self.model_config = self.store.model
+        self.config = self.store.model  # the model (ModelConfig); engine options are in engine_config
         self.model = load_model(self.store, self.device, self.dtype)
-        self.provider = StreamingProvider(self.store, expert_cfg, self.device, self.model_config.num_experts_per_tok)
+        self.provider = StreamingProvider(self.store, expert_cfg, self.device, self.config.num_experts_per_tok)
         blocks = self.model.moe_blocks()
         for block in blocks:
             block.provider = self.provider
@@ -96,7 +96,7 @@ class LLM:
 
     @property
     def eos_ids(self) -> set[int]:
-        ids = set(self.model_config.eos_token_ids)
+        ids = set(self.config.eos_token_ids)
         try:
             ids |= self.tokenizer.eos_ids
         except MoestreamError:

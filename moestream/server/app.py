@@ -121,8 +121,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             raise APIError(400, f"cannot build the prompt: {e}", param=param) from None
         if not ids:
             raise APIError(400, "the prompt is empty", param=param)
-        if any(not 0 <= i < llm.model_config.vocab_size for i in ids):
-            raise APIError(400, f"token ids must be in [0, {llm.model_config.vocab_size})", param=param)
+        if any(not 0 <= i < llm.config.vocab_size for i in ids):
+            raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param=param)
         params = fit_context(len(ids), params, bool(req.max_tokens or req.max_completion_tokens), param)
         try:
             job = worker.submit(ids, params)
@@ -210,7 +210,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                 "limits": {"max_tokens": settings.max_tokens_limit, "max_body_bytes": settings.max_body_bytes}}
 
     def model_info() -> dict:
-        cfg, engine = llm.model_config, llm.engine_config
+        cfg, engine = llm.config, llm.engine_config
         return {"id": settings.model_name, "model_type": cfg.model_type, "num_hidden_layers": cfg.num_hidden_layers,
                 "record_layers": cfg.num_record_layers, "num_experts": cfg.num_experts,
                 "num_experts_per_tok": cfg.num_experts_per_tok, "precision": engine.experts.precision,
@@ -241,7 +241,7 @@ class _JobStream(StreamingResponse):
 
 
 def _context_length(llm) -> int | None:
-    raw = llm.model_config.raw
+    raw = llm.config.raw
     return raw.get("max_position_embeddings") or raw.get("text_config", {}).get("max_position_embeddings")
 
 

@@ -26,4 +26,4 @@ def greedy_trace(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], to
 
 def prompt_of(llm: LLM, n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, llm.model_config.vocab_size, (n,), generator=g).tolist()
+    return torch.randint(0, llm.config.vocab_size, (n,), generator=g).tolist()

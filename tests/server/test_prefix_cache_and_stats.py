@@ -83,7 +83,7 @@ def test_stats_json_has_the_engine_snapshot_per_layer(serve, tiny):
     assert set(stats) == {"engine", "server", "model"}
     assert stats["engine"] == server.llm.stats()  # idle: exactly the engine's snapshot
     layers = stats["engine"]["layers"]
-    assert len(layers) == stats["model"]["record_layers"] == server.llm.model_config.num_record_layers
+    assert len(layers) == stats["model"]["record_layers"] == server.llm.config.num_record_layers
     assert all(layer["q4"]["lookups"] > 0 for layer in layers)
     assert {"direct_io", "totals", "prefill_timings"} <= set(stats["engine"])
     s = stats["server"]
