@@ -42,6 +42,21 @@ def _rates(model, vocab: int, device: str, decode_tokens: int, prefill: tuple[in
     return out
 
 
+def expert_offload_map(model) -> dict[str, str | int]:
+    """A disjoint device map: every routed-expert module on "cpu", everything else on GPU 0."""
+    out: dict[str, str | int] = {"lm_head": 0}
+    for name, _ in model.model.named_children():
+        if name != "layers":
+            out[f"model.{name}"] = 0
+    for i, layer in enumerate(model.model.layers):
+        for name, _ in layer.named_children():
+            if name != "mlp":
+                out[f"model.layers.{i}.{name}"] = 0
+        for name, _ in layer.mlp.named_children():
+            out[f"model.layers.{i}.mlp.{name}"] = "cpu" if name == "experts" else 0
+    return out
+
+
 def run_peers(store: str, offload_tokens: int = 3) -> list[dict]:
     runs = []
     model = _hf_model(store, "cuda")
@@ -54,10 +69,7 @@ def run_peers(store: str, offload_tokens: int = 3) -> list[dict]:
     from accelerate import dispatch_model
 
     model = _hf_model(store, "cpu")
-    device_map = {name: ("cpu" if ".mlp.experts" in name else 0) for name, _ in model.named_modules()
-                  if name.count(".") == 4 or name in ("model.embed_tokens", "model.norm", "lm_head")}
-    device_map = {"": 0, **{n: d for n, d in device_map.items() if d == "cpu"}}
-    model = dispatch_model(model, device_map=device_map)
+    model = dispatch_model(model, device_map=expert_offload_map(model))
     for r in _rates(model, vocab, "cuda", offload_tokens, (512,)):
         runs.append({"engine": "transformers + accelerate (experts on CPU)", "pool": 0.0, "host_tier": True, **r})
         print(runs[-1])
