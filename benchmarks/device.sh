@@ -21,6 +21,13 @@ for stage in "$@"; do
     kernel-tests) timeout 150 python -m pytest -q -m gpu tests/kernels 2>&1 | tail -4 ;;
     decode) timeout 200 python -m benchmarks.bench_e2e $STORE --decode --profile 2>&1 | tee "$OUT/decode.log" | tail -30 ;;
     e2e) timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
+    suite-stores) timeout 580 python -m benchmarks.suite stores --out "$OUT/suite" ;;
+    suite-30b) timeout 580 python -m benchmarks.suite limits --out "$OUT/suite" && \
+               timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" --store qwen3-30b=/tmp/suite-qwen3-30b ;;
+    suite-next) timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" \
+                --store qwen3.8-flash-next=/tmp/suite-qwen4 ;;
+    suite-peers) timeout 580 python -m benchmarks.suite peers --out "$OUT/suite" ;;
+    suite-report) python -m benchmarks.suite report --out "$OUT/suite" ;;
     limits) python -c "from benchmarks.common import limits; print(limits())" 2>&1 | tee "$OUT/limits.log" ;;
   esac
 done
