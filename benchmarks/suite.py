@@ -8,6 +8,8 @@ in one run. Each stage fits one 10-minute call on the GPU machine:
   python -m benchmarks.suite report     # table + plots from what the stages wrote
 
 Stages append to `suite.json` in the results folder ($OUT on the GPU machine); `report` reads it back.
+On the GPU machine each call's $OUT starts empty: pass the previous call's file with `--state`, and make
+the calls back to back (a machine idle for 30 s is given back, with the stores in its /tmp).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def main() -> None:
     p.add_argument("--offload-tokens", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--state", help="a suite.json from an earlier call to continue (each call's $OUT starts empty)")
     p.add_argument("--store", action="append", default=[], help="NAME=PATH: benchmark this store instead")
     args = p.parse_args()
     args.out = args.out or out_dir("suite")
@@ -130,7 +133,7 @@ def main() -> None:
         name, path = spec.split("=", 1)
         STORES.clear() if spec == args.store[0] else None
         STORES[name] = path
-    state = _state(args.out)
+    state = _state(os.path.dirname(args.state) if args.state else args.out)
     start = time.time()
     if args.stage == "stores":
         stage_stores(args)
