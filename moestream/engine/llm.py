@@ -78,7 +78,10 @@ class LLM:
         if self.device.type == "cuda" and supports_static_decode(self.model):
             self.decoder = CudaDecoder(self.model, self.provider, max_context, mode=decode_mode)
         if preload if preload is not None else self.device.type == "cuda":
-            self.provider.preload()
+            from moestream.engine.progress import progress_bar
+
+            with progress_bar("loading experts", self.provider.geometry.num_layers) as advance:
+                self.provider.preload(lambda done, total: advance(done))
         self.prefix_cache = None
         if prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(int(prefix_cache_mb * 1e6), prefill_chunk, self.device)

@@ -10,6 +10,8 @@ import os
 import sys
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moestream.errors import StoreError
 from moestream.experts.format import MANIFEST, RecordLayout, experts_file
@@ -36,8 +38,12 @@ def ensure_precision(store_path: str, precision: str, show_progress: bool = True
     partial = final + ".partial"
     if show_progress:
         print(f"deriving {precision} experts from q4 ({total} records, once)...", file=sys.stderr)
-    with open(store.experts_path("q4"), "rb") as src, open(partial, "wb") as dst:
+    ui = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), disable=not (show_progress and sys.stderr.isatty()), transient=True)
+    with ui, open(store.experts_path("q4"), "rb") as src, open(partial, "wb") as dst:
+        task = ui.add_task(f"deriving {precision}", total=total)
         for start in range(0, total, BATCH):
+            ui.update(task, completed=start)
             n = min(BATCH, total - start)
             raw = bytearray(src.read(n * q4.stride))
             if len(raw) != n * q4.stride:
