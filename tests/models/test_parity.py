@@ -10,7 +10,8 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe")
 VARIANTS = {
     "qwen3_moe": [dict(), dict(num_attention_heads=8, num_key_value_heads=1, num_hidden_layers=3),
                   dict(decoder_sparse_step=2, mlp_only_layers=[0], norm_topk_prob=False),
-                  dict(tie_word_embeddings=True, hidden_size=128, num_experts=16, num_experts_per_tok=4)],
+                  dict(tie_word_embeddings=True, hidden_size=128, num_experts=16, num_experts_per_tok=4),
+                  dict(attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 5e5})],
     "qwen2_moe": [dict(), dict(num_attention_heads=8, num_key_value_heads=8, norm_topk_prob=True),
                   dict(mlp_only_layers=[1, 2], decoder_sparse_step=1)],
     "qwen3_next": [dict(), dict(linear_num_value_heads=2, num_key_value_heads=4),
