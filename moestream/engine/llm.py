@@ -7,7 +7,6 @@ prefills only the rest, with the same output as an uncached run."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +15,7 @@ from moestream.engine import generate as gen
 from moestream.engine.decode import CudaDecoder, supports_static_decode
 from moestream.engine.loader import load_model
 from moestream.engine.prefix_cache import PrefixCache
+from moestream.engine.stream import RequestOutput, TextStream
 from moestream.errors import MoestreamError
 from moestream.experts.format import precision_name
 from moestream.experts.provider import StreamingProvider
@@ -25,15 +25,6 @@ from moestream.sampling import SamplingParams
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@dataclass
-class RequestOutput:
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    finish_reason: str | None
-    stats: dict = field(default_factory=dict)
 
 
 class LLM:
@@ -144,14 +135,10 @@ class LLM:
         return self._complete(self.tokenizer.chat(messages), params or SamplingParams())
 
     def _complete(self, ids: list[int], params: SamplingParams) -> RequestOutput:
-        before = self.provider.stats.snapshot()["totals"]
-        seq = self._sequence(ids, params)
-        reason = None
-        for step in self._run(seq):
-            reason = step.finish_reason
-        text = self._text(seq.generated)
-        stats = {"timings": seq.timings.as_dict(), "experts": _delta(before, self.provider.stats.snapshot()["totals"])}
-        return RequestOutput(text, seq.generated, ids, reason, stats)
+        stream = TextStream(self, ids, params)  # the same path as streaming: stop strings included
+        for _ in stream:
+            pass
+        return stream.output()
 
     def _text(self, ids: list[int]) -> str:
         try:
@@ -165,12 +152,3 @@ class LLM:
     def close(self) -> None:
         self.provider.close()
 
-
-def _delta(before: dict, after: dict) -> dict:
-    out = {}
-    for precision, a in after.items():
-        b = before.get(precision, {})
-        out[precision] = {k: (v - b.get(k, 0) if not isinstance(v, dict) else
-                              {t: {m: n - b.get(k, {}).get(t, {}).get(m, 0) for m, n in tv.items()}
-                               for t, tv in v.items()}) for k, v in a.items()}
-    return out

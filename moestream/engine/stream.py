@@ -7,8 +7,10 @@ given, is polled after every token, so a caller on another thread can end the ge
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from moestream.sampling import SamplingParams
+from moestream.stats.counters import delta
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -18,6 +20,15 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     tail = max((n for s in stops for n in range(min(len(s) - 1, len(complete)), 0, -1) if complete.endswith(s[:n])),
                default=0)
     return len(text) - len(complete) + tail
+
+
+@dataclass
+class RequestOutput:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None
+    stats: dict = field(default_factory=dict)
 
 
 class TextStream:
@@ -51,8 +62,6 @@ class TextStream:
                 return
 
     def output(self):
-        from moestream.engine.llm import RequestOutput, _delta
-
         stats = {"timings": self.seq.timings.as_dict(),
-                 "experts": _delta(self._before, self.llm.provider.stats.snapshot()["totals"])}
+                 "experts": delta(self._before, self.llm.provider.stats.snapshot()["totals"])}
         return RequestOutput(self.text, self.tokens, self.prompt_ids, self.finish_reason, stats)

@@ -78,3 +78,14 @@ class ExpertStats:
         experts = [{"uses": list(u), "resident": list(r)} for u, r in zip(self.expert_uses, self.resident)]
         return {"direct_io": self.direct_io, "layers": layers, "totals": totals, "experts": experts,
                 "prefill_timings": list(self.timings)}
+
+
+def delta(before: dict, after: dict) -> dict:
+    """`after - before` for two `snapshot()["totals"]`: what one request did."""
+    out = {}
+    for precision, a in after.items():
+        b = before.get(precision, {})
+        out[precision] = {k: (v - b.get(k, 0) if not isinstance(v, dict) else
+                              {t: {m: n - b.get(k, {}).get(t, {}).get(m, 0) for m, n in tv.items()}
+                               for t, tv in v.items()}) for k, v in a.items()}
+    return out
