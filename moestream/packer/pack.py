@@ -23,6 +23,7 @@ from moestream.experts.format import (
     Manifest,
     RecordLayout,
     experts_file,
+    ngram_file,
 )
 from moestream.packer import checks
 from moestream.packer.dense import dense_names, write_dense, write_ngram_tables
@@ -124,8 +125,8 @@ def pack(src_path: str, out: str, opts: PackOptions = PackOptions()) -> Manifest
         tokenizer = _copy_tokenizer(src_path, out)
         ui.phase("verifying")
         verify_samples(src, plan, layouts, dense, out, opts)
-        ui.phase("checksums")
-        files = [experts_file(p) for p in layouts] + [DENSE_FILE] + [f"ngram.{n.layer}.bin" for n in ngram]
+        files = [experts_file(p) for p in layouts] + [DENSE_FILE] + [ngram_file(n.layer) for n in ngram]
+        ui.start_checksums(sum(os.path.getsize(os.path.join(out, f)) for f in files))
         file_checks = {f: checks.file_check(os.path.join(out, f), ui) for f in files}
     manifest = Manifest(
         model_type=cfg.model_type, config=src.config,
@@ -147,7 +148,7 @@ def _write_experts(src, plan, geometry, layouts, out, progress, ui) -> None:
             os.ftruncate(fds[p], geometry.num_records * layout.stride)
         for slot in range(geometry.num_layers):
             if slot in progress["layers_done"]:
-                ui.advance_layer(skipped=True)
+                ui.skip_layer()
                 continue
             for e in range(geometry.num_experts):
                 rid = geometry.rid(slot, e)
@@ -158,7 +159,6 @@ def _write_experts(src, plan, geometry, layouts, out, progress, ui) -> None:
                 os.fsync(fd)
             progress["layers_done"].append(slot)
             _write_json_atomic(os.path.join(out, PROGRESS_FILE), progress)
-            ui.advance_layer()
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -29,12 +29,17 @@ class PackProgress:
     def advance(self, nbytes: int) -> None:
         self.progress.advance(self.task, nbytes)
 
-    def advance_layer(self, skipped: bool = False) -> None:
-        if skipped:
-            self.advance(self.layer_bytes)
+    def skip_layer(self) -> None:
+        """A layer a resumed pack had already written."""
+        self.advance(self.layer_bytes)
 
     def phase(self, name: str) -> None:
         self.progress.update(self.task, description=name)
 
+    def start_checksums(self, total_bytes: int) -> None:
+        """Hashing re-reads every file: a bar of its own."""
+        self.progress.update(self.task, description="packed")
+        self.task = self.progress.add_task("checksums", total=total_bytes)
+
     def advance_check(self, nbytes: int) -> None:
-        pass
+        self.advance(nbytes)
