@@ -47,10 +47,10 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64) -> 
     x = torch.randn(rows, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(n, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
     h = torch.empty(n, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
-    entries, ones = torch.arange(n, device="cuda"), torch.ones(n, dtype=torch.int64, device="cuda")
+    entries = torch.arange(n, device="cuda")
 
     def step(addr):
-        expert_mlp.launch(x, out, entries, addr, entries, ones, layout, top_k, "decode", h=h, cfg=cfg)
+        expert_mlp.launch_decode(x, out, entries, addr, layout, top_k, h=h, cfg=cfg)
 
     for a in sets[:2]:
         step(a)
@@ -82,8 +82,8 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
             count.append(min(cfg.bm, offsets[e + 1] - m0))
     meta = torch.tensor([addr, start, count], device="cuda")
     h = torch.empty(rows * top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
-    seconds = cuda_time(lambda: expert_mlp.launch(x, out, order, meta[0], meta[1], meta[2], layout, top_k,
-                                                  "prefill", h=h, cfg=cfg), iters=20)
+    seconds = cuda_time(lambda: expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k,
+                                                          h=h, cfg=cfg), iters=20)
     flops = 2 * rows * top_k * 3 * layout.hidden_size * layout.intermediate_size
     return {"rows": rows, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
 

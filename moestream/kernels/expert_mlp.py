@@ -66,40 +66,44 @@ def _offsets(layout: RecordLayout) -> dict:
     return {n: have.get(n, 0) for n in names}
 
 
-def launch(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
-           tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, top_k: int, phase: str,
-           h: torch.Tensor | None = None, cfg: TileConfig | None = None) -> None:
-    """Run gate/up then down over the given tiles. x [T, H]; out [T * top_k, H]; entries [M].
+def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, addr: torch.Tensor,
+                  layout: RecordLayout, top_k: int, h: torch.Tensor | None = None,
+                  cfg: TileConfig | None = None) -> None:
+    """Routing entry entries[i] computed with the record at addr[i], as GEMVs that never unpack a tile.
+    x [T, H]; out [T * top_k, H]."""
+    from moestream.kernels.triton.expert_mlp import down_gemv_kernel, gate_up_gemv_kernel
 
-    Decode tiles are single entries (tile i is entry entries[i]) and run as GEMVs that never unpack a
-    tile; prefill tiles run as tensor-core GEMMs over dequantized tiles."""
-    from moestream.kernels.triton.expert_mlp import down_gemv_kernel, down_kernel, gate_up_gemv_kernel, gate_up_kernel
+    cfg = cfg or tile_config("decode", layout)
+    hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
+    h = torch.empty(addr.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
+    gate_up_gemv_kernel[(addr.shape[0], inter // cfg.bn_gate_up)](
+        x, h, entries, addr, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"], o["up_s"],
+        o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=layout.group_size or 64,
+        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    down_gemv_kernel[(addr.shape[0], hidden // cfg.bn_down)](
+        h, out, entries, addr, o["down_w"], o["down_h"], o["down_s"], o["down_b"], H=hidden, I=inter,
+        BITS=layout.bits, GROUP=layout.group_size or 64, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
-    cfg = cfg or tile_config(phase, layout)
-    hidden, inter = layout.hidden_size, layout.intermediate_size
-    tiles = tile_addr.shape[0]
-    if h is None:
-        h = torch.empty(entries.shape[0], inter, dtype=x.dtype, device=x.device)
-    o = _offsets(layout)
-    bits, group = layout.bits, layout.group_size or 64
-    if phase == "decode":
-        gate_up_gemv_kernel[(tiles, inter // cfg.bn_gate_up)](
-            x, h, entries, tile_addr, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"],
-            o["up_s"], o["up_b"],
-            H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        down_gemv_kernel[(tiles, hidden // cfg.bn_down)](
-            h, out, entries, tile_addr, o["down_w"], o["down_h"], o["down_s"], o["down_b"], H=hidden, I=inter,
-            BITS=bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return
+
+def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
+                   tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, top_k: int,
+                   h: torch.Tensor | None = None, cfg: TileConfig | None = None) -> None:
+    """Tile i: up to `bm` entries entries[tile_start[i]:][:tile_count[i]] of the expert at tile_addr[i], as
+    tensor-core GEMMs over dequantized weight tiles. x [T, H]; out [T * top_k, H]."""
+    from moestream.kernels.triton.expert_mlp import down_kernel, gate_up_kernel
+
+    cfg = cfg or tile_config("prefill", layout)
+    hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
+    bits, group, tiles = layout.bits, layout.group_size or 64, tile_addr.shape[0]
+    h = torch.empty(entries.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
     gate_up_kernel[(tiles, inter // cfg.bn_gate_up)](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
         o["up_w"], o["up_h"], o["up_s"], o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BM=cfg.bm,
         BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
-        H=hidden,
-        I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down, UNPACK=cfg.unpack,
+        H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down, UNPACK=cfg.unpack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -112,8 +116,7 @@ def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: Rec
     base, stride = buffer.data_ptr(), buffer.stride(0)
     if phase == "decode":  # one tile per entry, in `order`: the entries themselves index the tiles
         addr = [base + slot * stride for j, slot in enumerate(slots) for _ in range(offsets[j], offsets[j + 1])]
-        meta = _to_device(torch.tensor([addr], dtype=torch.int64), x.device)
-        launch(x, out, order, meta[0], order, order, layout, top_k, phase)
+        launch_decode(x, out, order, _to_device(torch.tensor(addr, dtype=torch.int64), x.device), layout, top_k)
         return
     bm = tile_config(phase, layout).bm
     addr, start, count = [], [], []
@@ -123,7 +126,7 @@ def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: Rec
             start.append(m0)
             count.append(min(bm, offsets[j + 1] - m0))
     meta = _to_device(torch.tensor([addr, start, count], dtype=torch.int64), x.device)
-    launch(x, out, order, meta[0], meta[1], meta[2], layout, top_k, phase)
+    launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k)
 
 
 def _to_device(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -131,12 +134,11 @@ def _to_device(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
-def _identity(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.arange(n, device=device), torch.ones(n, dtype=torch.int64, device=device)
+def _identity(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)
 
 
 def per_entry(x: torch.Tensor, addr: torch.Tensor, layout: RecordLayout, top_k: int, out: torch.Tensor) -> None:
     """Graph mode: routing entry e = row * top_k + k reads the record at `addr[e]` (a device tensor), so a
     decode step needs no host decision."""
-    entries, ones = _identity(addr.shape[0], x.device)
-    launch(x, out, entries, addr, entries, ones, layout, top_k, "decode")
+    launch_decode(x, out, _identity(addr.shape[0], x.device), addr, layout, top_k)

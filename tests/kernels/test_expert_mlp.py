@@ -83,8 +83,7 @@ def test_repeated_slot():
     addr = torch.tensor([buf[1].data_ptr()] * 4, device=DEVICE)
     entries = torch.arange(4, device=DEVICE)
     out = torch.full((4, 128), float("nan"), dtype=DTYPE, device=DEVICE)
-    expert_mlp.launch(x, out, entries, addr, entries, torch.ones(4, dtype=torch.int64, device=DEVICE), layout, 2,
-                      "decode")
+    expert_mlp.launch_decode(x, out, entries, addr, layout, 2)
     want = torch.empty_like(out)
     reference.expert_group(x, buf, [1], layout, [0, 4], entries, 2, want)
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
