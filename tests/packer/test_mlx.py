@@ -141,3 +141,32 @@ def test_mlx_store_logits(mlx_stores, tiny, tmp_path, model_type):
     ref = torch.from_numpy(np.array(model(mx.array([ids])).astype(mx.float32))[0])
     assert (ours - ref).abs().max() <= 0.03 * ref.abs().max()
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_per_tensor_group_size_override(mlx_stores, tmp_path):
+    """A dense tensor requantized with its own bits and group size (named in config.json) dequantizes
+    with them."""
+    import json
+    import shutil
+
+    src = tmp_path / "mlx"
+    shutil.copytree(mlx_stores["qwen3_moe"][0], src)
+    tensors = _mlx_tensors(str(src))
+    head = mx.dequantize(tensors["lm_head.weight"], tensors["lm_head.scales"], tensors["lm_head.biases"],
+                         group_size=64, bits=4)
+    w, s, b = mx.quantize(head, group_size=32, bits=8)
+    tensors.update({"lm_head.weight": w, "lm_head.scales": s, "lm_head.biases": b})
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    mx.save_safetensors(str(src / "model.safetensors"), tensors)
+    (src / "model.safetensors.index.json").unlink(missing_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        if key in cfg:
+            cfg[key]["lm_head"] = {"group_size": 32, "bits": 8}
+    (src / "config.json").write_text(json.dumps(cfg))
+    pack(str(src), str(tmp_path / "store"), PackOptions(show_progress=False))
+    want = _np(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=8))
+    with safe_open(str(tmp_path / "store" / "dense.safetensors"), framework="pt") as f:
+        got = f.get_tensor("lm_head.weight").float()
+    torch.testing.assert_close(got, want.to(torch.bfloat16).float(), rtol=0, atol=0)
