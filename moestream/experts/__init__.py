@@ -1,2 +1,3 @@
-"""The expert streaming subsystem. Code outside this folder uses `provider.py` (and the packer,
-which writes the format, uses `format.py`)."""
+"""The expert streaming subsystem. From outside this folder: the engine uses `provider.py` (the seam the
+MoE layers call), `store.py` (opening a store) and `ngram.py` (PLE rows); the packer and the kernels
+read the store spec in `format.py`. Everything else here is internal."""
