@@ -38,8 +38,14 @@ GEOMETRIES = {
 }
 
 
-def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0, seed: int = 0) -> Manifest:
-    hf = dict(GEOMETRIES[geometry])
+# Random blocks add similar outputs to every token, and over 48 layers that common part swamps the token's
+# own embedding until all tokens route alike; a large embedding and small block outputs keep routing diverse.
+EMBED_SCALE, BLOCK_OUT_SCALE = 8.0, 0.05
+
+
+def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0, seed: int = 0,
+          **overrides) -> Manifest:
+    hf = dict(GEOMETRIES[geometry]) | overrides
     if layers:
         hf["num_hidden_layers"] = layers
     if "full_attention_interval" in hf:
@@ -59,7 +65,9 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
         else:
             t = torch.randn(shape, generator=gen, device=dev) * (shape[-1] ** -0.5 if len(shape) > 1 else 0.1)
             if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
-                t = t * 0.1  # small block outputs keep each token's embedding visible to the routers
+                t = t * BLOCK_OUT_SCALE
+            if name.endswith("embed_tokens.weight"):
+                t = t * EMBED_SCALE
             if name.endswith("mlp.gate.weight") and skew:
                 t = t * torch.arange(1, shape[0] + 1, device=dev).float().pow(-skew)[:, None] * shape[0] ** (skew / 2)
         writer.write(name, t.to(torch.bfloat16).cpu())
