@@ -89,9 +89,9 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
 
 
 def decode_configs(quick: bool):
-    grid = itertools.product([8, 16, 32, 64], [64, 128, 256], [16, 32, 64], [64, 128, 256], [1, 2, 4], [1, 2])
+    grid = itertools.product([8, 16, 32, 64], [64, 128, 256], [16, 32, 64, 128], [64, 128, 256], [1, 2, 4], [1])
     out = [TileConfig(1, bn, bk, bnd, bkd, w, s) for bn, bk, bnd, bkd, w, s in grid
-           if bn * bk <= 8192 and bnd * bkd <= 8192]
+           if 1024 <= bn * bk <= 8192 and 1024 <= bnd * bkd <= 8192]
     random.Random(0).shuffle(out)
     return out[: 12 if quick else 60]
 
@@ -144,6 +144,16 @@ def main() -> None:
                 else:
                     table.append([precision, phase, x["rows"], f"{x['ms']:.2f} ms", f"{x['tflops']:.0f} TFLOP/s",
                                   f"{x['tflops'] / mm:.0%} of dense bf16"])
+    # Q3/Q2 decode with Q4's best tiles (their records are 78% / 56% of Q4's bytes)
+    for precision in ("q3", "q2") if "decode" in args.phases else ():
+        layout = RecordLayout.build(precision, g["hidden"], g["inter"])
+        pool = random_pool(layout, 4 * g["experts"])
+        cfg = TileConfig(**best["decode/bits4"]) if "decode/bits4" in best else None
+        for x in (decode_case(layout, pool, rows, g["top_k"], cfg or expert_mlp.tile_config("decode", layout))
+                  for rows in (1, 4)):
+            results["decode"].append({"precision": precision, "runs": [x]})
+            table.append([precision, "decode", x["rows"], f"{x['us']:.1f} us", f"{x['gbs']:.0f} GB/s",
+                          f"{x['gbs'] / hbm:.0%} of HBM copy"])
     results["best"] = best
     write(out_dir("kernels"), "kernels", results, table, ["experts", "phase", "rows", "time", "rate", "vs limit"])
     if args.tune:

@@ -23,7 +23,10 @@ import time
 import torch
 
 from benchmarks.common import limits, machine, out_dir
+from moestream.experts.format import RecordLayout, precision_name
 from moestream.experts.store import open_store
+from moestream.sampling import SamplingParams
+from moestream.stats.counters import TIERS
 
 STORES = {"qwen3-30b": "/tmp/suite-qwen3-30b", "qwen3.8-flash-next": "/tmp/suite-qwen4"}
 POOLS = (1.0, 0.5, 0.25)
@@ -68,39 +71,52 @@ def flops_per_token(path: str) -> float:
     return 2 * (dense + g.num_layers * cfg.num_experts_per_tok * 3 * g.hidden_size * g.intermediate_size)
 
 
+SCENARIOS = (("decode", 16, 64), ("prefill", 512, 1), ("prefill", 4096, 1))
+# issue 8's rows: low-bit experts where misses dominate (pool 25%, host tier on), on the 30B geometry
+LOW_BIT = (("moestream q3", dict(experts=3)), ("moestream q2", dict(experts=2)),
+           ("moestream q4, misses q2", dict(miss_experts=2)))
+
+
+def _measure(llm, name: str, engine: str, frac: float, host: bool, per_token: float, scenarios) -> list[dict]:
+    rng = random.Random(0)
+    runs = []
+    for kind, n, new in scenarios:
+        ids = [rng.randrange(llm.config.vocab_size) for _ in range(n)]
+        out = llm.generate([ids], SamplingParams(max_tokens=new, ignore_eos=True))[0]
+        t, per_precision = out.stats["timings"], out.stats["experts"].values()
+        work = new if kind == "decode" else n
+        run = {"model": name, "engine": engine, "scenario": kind, "tokens": n, "pool": frac, "host_tier": host,
+               "rate": t["decode_tok_s"] if kind == "decode" else t["prefill_tok_s"], "work": work,
+               "flops": work * per_token,
+               "bytes": {tier: sum(e["reads"][tier]["bytes"] for e in per_precision) for tier in TIERS}}
+        runs.append(run)
+        print(json.dumps(run))
+    return runs
+
+
 def stage_moestream(args) -> list[dict]:
     from moestream.engine.llm import LLM
-    from moestream.sampling import SamplingParams
 
     runs = []
     for name, path in STORES.items():
         if not os.path.isfile(os.path.join(path, "manifest.json")):
             continue
         m = open_store(path).manifest
-        total_gb = m.geometry.num_records * m.layouts["q4"].stride / 1e9
+        g = m.geometry
         per_token = flops_per_token(path)
-        for frac in POOLS:
-            for host in (False, True):
-                if frac == 1.0 and host:
-                    continue
-                llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
-                          host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host)
-                rng = random.Random(0)
-                vocab = llm.config.vocab_size
-                for kind, n, new in (("decode", 16, 64), ("prefill", 512, 1), ("prefill", 4096, 1)):
-                    ids = [rng.randrange(vocab) for _ in range(n)]
-                    out = llm.generate([ids], SamplingParams(max_tokens=new, ignore_eos=True))[0]
-                    t, e = out.stats["timings"], out.stats["experts"]["q4"]
-                    rate = t["decode_tok_s"] if kind == "decode" else t["prefill_tok_s"]
-                    work = new if kind == "decode" else n
-                    run = {"model": name, "engine": "moestream", "scenario": kind, "tokens": n, "pool": frac,
-                           "host_tier": host, "rate": rate, "work": work, "flops": work * per_token,
-                           "bytes": {tier: e["reads"][tier]["bytes"] for tier in ("disk", "host", "gpu")}}
-                    runs.append(run)
-                    print(json.dumps(run))
-                llm.close()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+        modes = [("moestream", {}, frac, host) for frac in POOLS for host in (False, True) if frac < 1.0 or not host]
+        if name == "qwen3-30b":
+            modes += [(engine, opts, 0.25, True) for engine, opts in LOW_BIT]
+        for engine, opts, frac, host in modes:
+            layout = RecordLayout.build(precision_name(opts.get("experts", 4)), g.hidden_size, g.intermediate_size)
+            total_gb = g.num_records * layout.stride / 1e9
+            llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
+                      host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host, **opts)
+            runs += _measure(llm, name, engine, frac, host, per_token, SCENARIOS if engine == "moestream" else
+                             SCENARIOS[::2])
+            llm.close()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return runs
 
 
@@ -144,8 +160,9 @@ def main() -> None:
         runs = stage_moestream(args) if args.stage == "moestream" else stage_peers(args)
         lim = state.get("limits")
         for r in runs:
-            r["bound"] = _bound(r, lim) if lim and r["engine"] == "moestream" else None
-        state["runs"] = [r for r in state["runs"] if r["engine"] != runs[0]["engine"]] + runs if runs else state["runs"]
+            r["bound"] = _bound(r, lim) if lim and r["engine"].startswith("moestream") else None
+        engines = {r["engine"] for r in runs}
+        state["runs"] = [r for r in state["runs"] if r["engine"] not in engines] + runs
     else:
         stage_report(args)
     state.setdefault("stage_seconds", {})[args.stage] = time.time() - start

@@ -74,15 +74,17 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     from moestream.kernels.triton.expert_mlp import down_gemv_kernel, gate_up_gemv_kernel
 
     cfg = cfg or tile_config("decode", layout)
-    hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
+    hidden, inter, o, bits = layout.hidden_size, layout.intermediate_size, _offsets(layout), layout.bits
+    # where a code lands in the mantissa of 1.0 (see _gemv_acc); Q3's low plane holds two of its bits
+    field_mask = 0 if bits == 16 else ((1 << (2 if bits == 3 else bits)) - 1) << (23 - bits)
     h = torch.empty(addr.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
     gate_up_gemv_kernel[(addr.shape[0], inter // cfg.bn_gate_up)](
         x, h, entries, addr, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"], o["up_s"],
-        o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=layout.group_size or 64,
+        o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=layout.group_size or 64,
         BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     down_gemv_kernel[(addr.shape[0], hidden // cfg.bn_down)](
-        h, out, entries, addr, o["down_w"], o["down_h"], o["down_s"], o["down_b"], H=hidden, I=inter,
-        BITS=layout.bits, GROUP=layout.group_size or 64, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps,
+        h, out, entries, addr, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask, H=hidden, I=inter,
+        BITS=bits, GROUP=layout.group_size or 64, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 

@@ -67,7 +67,7 @@ if not INTERPRET:
               (4096, 1536, 8, 128, (1, 128))] for r in rs]
 
 
-@pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(["decode" if c[3] <= 16 else "prefill", *map(str, c)]))
 def test_matches_reference(case):
     run_case(*case)
 
@@ -87,3 +87,23 @@ def test_repeated_slot():
     want = torch.empty_like(out)
     reference.expert_group(x, buf, [1], layout, [0, 4], entries, 2, want)
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
+def test_decode_bf16_activations(precision):
+    """Decode reads bf16 activations two per 32-bit load; the arithmetic stays fp32."""
+    from moestream.kernels import expert_mlp
+
+    gen = torch.Generator().manual_seed(1)
+    layout = RecordLayout.build(precision, 256, 128)
+    buf = make_buffer(layout, 4, gen)
+    x = torch.randn(2, 256, generator=gen).to(DEVICE, torch.bfloat16)
+    entries = torch.arange(4, device=DEVICE)
+    addr = torch.tensor([buf[i].data_ptr() for i in range(4)], device=DEVICE)
+    out = torch.full((4, 256), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    expert_mlp.launch_decode(x, out, entries, addr, layout, 2)
+    want = torch.empty(4, 256, device=DEVICE)
+    for i in range(4):
+        reference.expert_group(x.float(), buf, [i], layout, [0, 1], entries[i:i + 1], 2, want)
+    assert not torch.isnan(out).any()
+    assert (out.float() - want).norm() / want.norm() < 2e-2

@@ -109,70 +109,101 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
 
 
 @triton.jit
-def _gemv_tile(base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, K: tl.constexpr, BITS: tl.constexpr,
-               GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """sum_k W[n, k] * v[k] over columns k0..k0+BK for rows `n` [BN] -> [BN] fp32.
+def _field(w, SHIFT: tl.constexpr, mask):
+    """(w shifted left by SHIFT, right when negative) & mask."""
+    if SHIFT >= 0:
+        return (w << SHIFT) & mask
+    else:
+        return (w >> (-SHIFT)) & mask
 
-    Q4 without unpacking into a tile: per group g, s_g * sum(q * v) + b_g * sum(v), the codes taken
-    from each word by shifting in place ([BN, groups, words, codes] broadcasting)."""
+
+@triton.jit
+def _gemv_acc(acc, base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr,
+              BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc += W[n, k] * v[k] over columns k0..k0+BK: [BN, BK] products for bf16, per-group sums for codes."""
     if BITS == 16:
         k = k0 + tl.arange(0, BK)
         w = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :]).to(tl.float32)
-        v = tl.load(vec_ptr + k).to(tl.float32)
-        return tl.sum(w * v[None, :], axis=1)
+        acc += w * tl.load(vec_ptr + k).to(tl.float32)[None, :]
+    else:
+        acc += _codes_dot(base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, field_mask, K, BITS, GROUP, BN, BK)
+    return acc
+
+
+@triton.jit
+def _codes_dot(base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr, BITS: tl.constexpr,
+               GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """[BN, BK // GROUP] per-group sums of W[n, k] * v[k] over columns k0..k0+BK.
+
+    Codes become floats without int->float conversions: a code moved into the top mantissa bits of 1.0
+    reads as f = 1 + q / 2**BITS, so sum(q v) = 2**BITS * (sum(f v) - sum(v)); scale and bias then apply
+    once per group. `field_mask` arrives at run time so that ptxas fuses the mask and the OR of 1.0."""
     WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
     PER: tl.constexpr = 32 // WBITS
-    WPG: tl.constexpr = GROUP // PER  # words per group
+    BKW: tl.constexpr = BK // PER
+    wc = k0 // PER + tl.arange(0, BKW)
+    words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None] * (K // PER) + wc[None, :])
+    if BITS == 3:  # the high bits of word wc's 16 codes are 16-bit word wc of the `_h` plane (little-endian)
+        high = tl.load((base + off_h).to(tl.pointer_type(tl.int16)) + n[:, None] * (K // 16) + wc[None, :])
+        high = high.to(tl.int32)
+    pairs = vec_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    dot = tl.zeros((BN, BKW), dtype=tl.float32)
+    vsum = tl.zeros((BKW,), dtype=tl.float32)
+    for c in tl.static_range(PER):
+        if vec_ptr.dtype.element_ty == tl.bfloat16:  # two values per 32-bit load
+            if c % 2 == 0:
+                pair = tl.load(pairs + (wc * PER + c) // 2)
+                v = (pair << 16).to(tl.float32, bitcast=True)
+            else:
+                v = (pair & -65536).to(tl.float32, bitcast=True)
+        else:
+            v = tl.load(vec_ptr + wc * PER + c).to(tl.float32)
+        f = _field(words, 23 - BITS - c * WBITS, field_mask)
+        if BITS == 3:
+            f = f | _field(high, 22 - c, 1 << 22)
+        dot += (f | 0x3F800000).to(tl.float32, bitcast=True) * v[None, :]
+        vsum += v
     G: tl.constexpr = BK // GROUP
-    g = tl.arange(0, G)
-    wi = tl.arange(0, WPG)
-    c = tl.arange(0, PER)
-    word_col = k0 // PER + g[:, None] * WPG + wi[None, :]  # [G, WPG]
-    words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None, None] * (K // PER) + word_col[None])
-    kk = k0 + (g[:, None, None] * WPG + wi[None, :, None]) * PER + c[None, None, :]  # [G, WPG, PER]
-    v = tl.load(vec_ptr + kk).to(tl.float32)
-    codes = (words[:, :, :, None] >> (c * WBITS)[None, None, None, :]) & ((1 << WBITS) - 1)
-    if BITS == 3:  # the high bit of column kk lives in word kk // 32 of the `_h` plane, at bit kk % 32
-        hptr = (base + off_h).to(tl.pointer_type(tl.int32))
-        hcol = (k0 + g[:, None] * GROUP + wi[None, :] * PER) // 32  # [G, WPG]
-        high = tl.load(hptr + n[:, None, None] * (K // 32) + hcol[None])
-        codes = codes | (((high[:, :, :, None] >> (kk % 32)[None]) & 1) << 2)
-    qv = tl.sum(tl.sum(codes.to(tl.float32) * v[None], axis=3), axis=2)  # [BN, G]
-    vsum = tl.sum(tl.sum(v, axis=2), axis=1)  # [G]
-    s, b = _affine(base, off_s, off_b, n[:, None] * (K // GROUP) + k0 // GROUP + g[None, :], BITS)
-    return tl.sum(s * qv + b * vsum[None, :], axis=1)
+    dot = tl.sum(tl.reshape(dot, (BN, G, GROUP // PER)), axis=2)
+    vsum = tl.sum(tl.reshape(vsum, (G, GROUP // PER)), axis=1)
+    s, b = _affine(base, off_s, off_b, n[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, G)[None, :], BITS)
+    s = s * (1 << BITS)
+    return s * dot + (b - s) * vsum[None, :]
 
 
 @triton.jit
 def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh,
-                        off_us, off_ub,
-                        H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr,
-                        GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T)."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
     base = tl.load(tile_addr_ptr + i).to(tl.pointer_type(tl.uint8))
     xrow = x_ptr + (e // TOP_K) * H
     n = pid_n * BN + tl.arange(0, BN)
-    acc_g = tl.zeros((BN,), dtype=tl.float32)
-    acc_u = tl.zeros((BN,), dtype=tl.float32)
+    W: tl.constexpr = BK if BITS == 16 else BK // GROUP
+    acc_g = tl.zeros((BN, W), dtype=tl.float32)
+    acc_u = tl.zeros((BN, W), dtype=tl.float32)
     for k0 in range(0, H, BK):
-        acc_g += _gemv_tile(base, off_gw, off_gh, off_gs, off_gb, n, xrow, k0, H, BITS, GROUP, BN, BK)
-        acc_u += _gemv_tile(base, off_uw, off_uh, off_us, off_ub, n, xrow, k0, H, BITS, GROUP, BN, BK)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        acc_g = _gemv_acc(acc_g, base, off_gw, off_gh, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
+        acc_u = _gemv_acc(acc_u, base, off_uw, off_uh, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
+    g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    h = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
 
 
 @triton.jit
-def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_dh, off_ds, off_db, H: tl.constexpr,
-                     I: tl.constexpr,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_dh, off_ds, off_db, field_mask,
+                     H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
     """Decode: y[entries[i]] = h[i] @ down.T."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
     base = tl.load(tile_addr_ptr + i).to(tl.pointer_type(tl.uint8))
     n = pid_n * BN + tl.arange(0, BN)
-    acc = tl.zeros((BN,), dtype=tl.float32)
+    W: tl.constexpr = BK if BITS == 16 else BK // GROUP
+    acc = tl.zeros((BN, W), dtype=tl.float32)
     for k0 in range(0, I, BK):
-        acc += _gemv_tile(base, off_dw, off_dh, off_ds, off_db, n, h_ptr + i * I, k0, I, BITS, GROUP, BN, BK)
-    tl.store(y_ptr + e * H + n, acc.to(y_ptr.dtype.element_ty))
+        acc = _gemv_acc(acc, base, off_dw, off_dh, off_ds, off_db, n, h_ptr + i * I, k0, field_mask, I, BITS, GROUP,
+                        BN, BK)
+    tl.store(y_ptr + e * H + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
