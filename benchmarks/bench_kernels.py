@@ -93,7 +93,7 @@ def decode_configs(quick: bool):
     out = [TileConfig(1, bn, bk, bnd, bkd, w, s) for bn, bk, bnd, bkd, w, s in grid
            if 1024 <= bn * bk <= 8192 and 1024 <= bnd * bkd <= 8192]
     random.Random(0).shuffle(out)
-    return out[: 12 if quick else 60]
+    return out[: 24 if quick else 60]
 
 
 def prefill_configs(quick: bool):
