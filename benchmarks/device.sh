@@ -23,7 +23,10 @@ for stage in "$@"; do
     e2e) timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     suite-stores) timeout 580 python -m benchmarks.suite stores --out "$OUT/suite" ;;
     suite-30b) timeout 580 python -m benchmarks.suite limits --out "$OUT/suite" && \
-               timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" --store qwen3-30b=/tmp/suite-qwen3-30b ;;
+               timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" --store qwen3-30b=/tmp/suite-qwen3-30b \
+               --modes q4 ;;
+    suite-lowbit) timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" --state "$OUT/suite/suite.json" \
+                  --store qwen3-30b=/tmp/suite-qwen3-30b --modes low-bit ;;
     suite-next) timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" \
                 --store qwen3.8-flash-next=/tmp/suite-qwen4 ;;
     suite-peers) timeout 580 python -m benchmarks.suite peers --out "$OUT/suite" ;;

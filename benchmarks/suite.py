@@ -115,8 +115,10 @@ def stage_moestream(args) -> list[dict]:
             continue
         m = open_store(path).manifest
         g = m.geometry
-        modes = [("moestream", {}, frac, host) for frac in POOLS for host in (False, True) if frac < 1.0 or not host]
-        if name == "qwen3-30b":
+        modes = []
+        if args.modes in ("all", "q4"):
+            modes += [("moestream", {}, frac, host) for frac in POOLS for host in (False, True) if frac < 1 or not host]
+        if name == "qwen3-30b" and args.modes in ("all", "low-bit"):
             modes += [(engine, opts, 0.25, True) for engine, opts in LOW_BIT]
         for engine, opts, frac, host in modes:
             layout = RecordLayout.build(precision_name(opts.get("experts", 4)), g.hidden_size, g.intermediate_size)
@@ -150,6 +152,8 @@ def main() -> None:
     p.add_argument("stage", choices=["stores", "limits", "moestream", "peers", "report"])
     p.add_argument("--skew", type=float, default=0.0, help="router skew for the stores (0 = even popularity)")
     p.add_argument("--offload-tokens", type=int, default=3)
+    p.add_argument("--modes", choices=["all", "q4", "low-bit"], default="all",
+                   help="moestream stage: which engine modes (deriving the low-bit stores takes minutes, once)")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--state", help="a suite.json from an earlier call to continue (each call's $OUT starts empty)")
