@@ -25,7 +25,8 @@ for stage in "$@"; do
     suite-30b) timeout 580 python -m benchmarks.suite limits --out "$OUT/suite" && \
                timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" --store qwen3-30b=/tmp/suite-qwen3-30b \
                --modes q4 ;;
-    suite-lowbit) timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" --state "$OUT/suite/suite.json" \
+    suite-lowbit) python -m benchmarks.suite limits --out "$OUT/suite" && \
+                  timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" \
                   --store qwen3-30b=/tmp/suite-qwen3-30b --modes low-bit ;;
     suite-next) timeout 580 python -m benchmarks.suite moestream --out "$OUT/suite" \
                 --store qwen3.8-flash-next=/tmp/suite-qwen4 ;;
