@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moestream.quant.affine import pack_codes, unpack_codes
+from moestream.quant.affine import unpack_codes
 
 
 def effective_affine(scales: torch.Tensor, biases: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,13 +23,27 @@ def effective_affine(scales: torch.Tensor, biases: torch.Tensor, bits: int) -> t
 
 
 def derive_codes(q4_words: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """Q4 words [out, in/8] -> the packed planes of the `bits`-bit record ([lo] for Q2, [lo, hi] for Q3)."""
-    codes = unpack_codes(q4_words, 4) >> (4 - bits)
+    """Q4 words [..., in/8] -> the packed planes of the `bits`-bit record ([lo] for Q2, [lo, hi] for Q3),
+    word by word: each Q4 word's 8 codes give up their top `bits` bits, with no unpacking to codes."""
     if bits == 2:
-        return [pack_codes(codes, 2)]
+        return [_gather(q4_words, 2, 2)]
     if bits == 3:
-        return [pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)]
+        return [_gather(q4_words, 1, 2), _gather(q4_words, 3, 1)]
     raise ValueError(f"no {bits}-bit derivation")
+
+
+def _gather(q4_words: torch.Tensor, low_bit: int, width: int) -> torch.Tensor:
+    """Bits low_bit..low_bit+width of every Q4 code, packed `32 // width` to an int32, low codes first."""
+    w = q4_words.to(torch.int64) & 0xFFFFFFFF
+    field = torch.zeros_like(w)  # each Q4 word's 8 fields side by side: 8 * width bits
+    for i in range(8):
+        field |= ((w >> (4 * i + low_bit)) & ((1 << width) - 1)) << (width * i)
+    per_out = 32 // (8 * width)  # Q4 words per output word
+    field = field.unflatten(-1, (-1, per_out))
+    out = torch.zeros_like(field[..., 0])
+    for j in range(per_out):
+        out |= field[..., j] << (8 * width * j)
+    return (out - ((out >> 31) << 32)).to(torch.int32)  # unsigned 32-bit -> the int32 with the same bits
 
 
 def unpack_lowbit(planes: list[torch.Tensor], bits: int) -> torch.Tensor:
