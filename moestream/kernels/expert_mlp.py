@@ -75,7 +75,7 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
 
     cfg = cfg or tile_config("decode", layout)
     hidden, inter, o, bits = layout.hidden_size, layout.intermediate_size, _offsets(layout), layout.bits
-    # where a code lands in the mantissa of 1.0 (see _gemv_acc); Q3's low plane holds two of its bits
+    # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's low plane holds two of its bits
     field_mask = 0 if bits == 16 else ((1 << (2 if bits == 3 else bits)) - 1) << (23 - bits)
     h = torch.empty(addr.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
     gate_up_gemv_kernel[(addr.shape[0], inter // cfg.bn_gate_up)](
