@@ -65,18 +65,16 @@ def _bound(scenario: dict, lim: dict) -> float:
     return scenario["work"] / seconds if seconds else float("inf")
 
 
-def dense_bytes(path: str) -> int:
+def dense_bytes(store) -> int:
     """The bf16 dense weights one forward reads (the embedding is a lookup, not a read of the table)."""
-    s = open_store(path)
-    return os.path.getsize(s.dense_path) - 2 * s.model.vocab_size * s.model.hidden_size
+    return os.path.getsize(store.dense_path) - 2 * store.model.vocab_size * store.model.hidden_size
 
 
-def flops_per_token(path: str) -> float:
+def flops_per_token(store) -> float:
     """2 x the parameters a token touches: the dense weights plus top-k routed experts per MoE layer."""
-    s = open_store(path)
-    cfg, g = s.model, s.manifest.geometry
-    return 2 * (dense_bytes(path) / 2 + g.num_layers * cfg.num_experts_per_tok * 3 * g.hidden_size
-                * g.intermediate_size)
+    g = store.manifest.geometry
+    experts = g.num_layers * store.model.num_experts_per_tok * 3 * g.hidden_size * g.intermediate_size
+    return 2 * (dense_bytes(store) / 2 + experts)
 
 
 SCENARIOS = (("decode", 16, 64), ("prefill", 512, 1), ("prefill", 4096, 1))
@@ -85,9 +83,9 @@ LOW_BIT = (("moestream q3", dict(experts=3)), ("moestream q2", dict(experts=2)),
            ("moestream q4, misses q2", dict(miss_experts=2)))
 
 
-def _measure(llm, path: str, name: str, engine: str, frac: float, host: bool, scenarios) -> list[dict]:
+def _measure(llm, base: dict, per_token: float, dense: int, scenarios) -> list[dict]:
+    """`base`: the run's model, engine, pool and host-tier fields; `dense`: dense weight bytes per forward."""
     rng = random.Random(0)
-    per_token, dense = flops_per_token(path), dense_bytes(path)
     # compile the kernels and capture the decode graph before timing (the first suite run timed them)
     llm.generate([[rng.randrange(llm.config.vocab_size) for _ in range(64)]], SamplingParams(max_tokens=4))
     runs = []
@@ -95,12 +93,12 @@ def _measure(llm, path: str, name: str, engine: str, frac: float, host: bool, sc
         ids = [rng.randrange(llm.config.vocab_size) for _ in range(n)]
         out = llm.generate([ids], SamplingParams(max_tokens=new, ignore_eos=True))[0]
         t, per_precision = out.stats["timings"], out.stats["experts"].values()
-        work = new if kind == "decode" else n
-        run = {"model": name, "engine": engine, "scenario": kind, "tokens": n, "pool": frac, "host_tier": host,
-               "rate": t["decode_tok_s"] if kind == "decode" else t["prefill_tok_s"], "work": work,
-               "flops": work * per_token,
+        decode = kind == "decode"
+        work = new if decode else n
+        run = {**base, "scenario": kind, "tokens": n, "rate": t["decode_tok_s" if decode else "prefill_tok_s"],
+               "work": work, "flops": work * per_token,
                "bytes": {tier: sum(e["reads"][tier]["bytes"] for e in per_precision) for tier in TIERS}
-               | {"dense": dense * (new if kind == "decode" else 1)}}
+               | {"dense": dense * (new if decode else 1)}}
         runs.append(run)
         print(json.dumps(run))
     return runs
@@ -113,8 +111,8 @@ def stage_moestream(args) -> list[dict]:
     for name, path in STORES.items():
         if not os.path.isfile(os.path.join(path, "manifest.json")):
             continue
-        m = open_store(path).manifest
-        g = m.geometry
+        store = open_store(path)
+        g, per_token, dense = store.manifest.geometry, flops_per_token(store), dense_bytes(store)
         modes = []
         if args.modes in ("all", "q4"):
             modes += [("moestream", {}, frac, host) for frac in POOLS for host in (False, True) if frac < 1 or not host]
@@ -125,8 +123,8 @@ def stage_moestream(args) -> list[dict]:
             total_gb = g.num_records * layout.stride / 1e9
             llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
                       host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host, **opts)
-            runs += _measure(llm, path, name, engine, frac, host, SCENARIOS if engine == "moestream" else
-                             SCENARIOS[::2])
+            base = {"model": name, "engine": engine, "pool": frac, "host_tier": host}
+            runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream" else SCENARIOS[::2])
             args.save(runs)  # a call stopped by its time limit keeps what it measured
             llm.close()
             if torch.cuda.is_available():
