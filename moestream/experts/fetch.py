@@ -62,11 +62,8 @@ class Fetcher:
         same slot that must land first."""
         host_slot, host_wait, source = None, None, "disk"
         if self.host is not None:  # host-tier keys carry the precision: mixed mode keeps both
-            host_slot = self.host.lookup((precision, rid))
-            if host_slot is not None:
-                source = "host"
-            else:
-                host_slot = self.host.allocate((precision, rid))
+            host_slot, hit = self.host.slot_for((precision, rid))
+            source = "host" if hit else "disk"
             host_wait = self.host.last_job[host_slot]
         future = self.pool.submit(self._job, rid, precision, layer, dst, dst_last_use, wait_for, ready, source,
                                   host_slot, host_wait, started)
@@ -112,9 +109,7 @@ class Fetcher:
 
     def fill_host(self, rid: int, precision: str, layer: int) -> Future:
         """Read record `rid` from disk into the host tier only (preloading for zero-copy reads)."""
-        slot = self.host.lookup((precision, rid))
-        if slot is None:
-            slot = self.host.allocate((precision, rid))
+        slot, _ = self.host.slot_for((precision, rid))
         wait = self.host.last_job[slot]
 
         def job():

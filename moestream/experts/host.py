@@ -26,6 +26,11 @@ class HostTier:
             self.lru.move_to_end(slot)
         return slot
 
+    def slot_for(self, rid: tuple[str, int]) -> tuple[int, bool]:
+        """The record's slot and whether it already holds the record (else the LRU slot, now assigned to it)."""
+        slot = self.lookup(rid)
+        return (slot, True) if slot is not None else (self.allocate(rid), False)
+
     def allocate(self, rid: tuple[str, int]) -> int:
         slot = next(iter(self.lru))
         old = self.rid_of[slot]
