@@ -23,8 +23,9 @@ def supports_static_decode(model: CausalLM) -> bool:
 
 
 def static_step(model: CausalLM, token: torch.Tensor, position: torch.Tensor, state: SequenceState,
-                addresses: torch.Tensor | None) -> torch.Tensor:
-    """token, position: [1] device tensors -> logits [1, vocab]; writes the caches at `position`."""
+                addresses: torch.Tensor | None, routed: torch.Tensor | None = None) -> torch.Tensor:
+    """token, position: [1] device tensors -> logits [1, vocab]; writes the caches at `position`, and with
+    `addresses` each MoE layer's expert ids into `routed` [num_moe_layers, top_k]."""
     x = model.model.embed_tokens(token)
     rope = model.rotary.cos_sin(position, x.dtype)
     for layer, layer_state in zip(model.model.layers, state.layers):
@@ -35,8 +36,9 @@ def static_step(model: CausalLM, token: torch.Tensor, position: torch.Tensor, st
             x = x + decode_attention(layer.self_attn, h, rope, position, layer_state)
         h = layer.post_attention_layernorm(x)
         if isinstance(layer.mlp, SparseMoE):
-            table = addresses[layer.mlp.layer_slot] if addresses is not None else None
-            x = x + layer.mlp(h, table)
+            slot = layer.mlp.layer_slot
+            table = addresses[slot] if addresses is not None else None
+            x = x + layer.mlp(h, table, routed[slot] if routed is not None else None)
         else:
             x = x + layer.mlp(h)
     return model.logits(model.model.norm(x))
@@ -53,6 +55,8 @@ class CudaDecoder:
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.graph, self.graph_state, self.logits = None, None, None
         self.graph_replays = 0
+        top_k = model.config.num_experts_per_tok
+        self.routed = torch.zeros(len(model.moe_blocks()), top_k, dtype=torch.long, device=device)
 
     def prepare(self, state: SequenceState) -> None:
         for s in state.layers:
@@ -74,12 +78,14 @@ class CudaDecoder:
             self.graph_replays += 1
             logits = self.logits
         else:
-            logits = static_step(self.model, self.token, self.position, state, addresses)
+            logits = static_step(self.model, self.token, self.position, state, addresses, self.routed)
             if addresses is not None and self.mode == "graph":  # capture after one eager run (compiled, allocated)
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph):
-                    self.logits = static_step(self.model, self.token, self.position, state, addresses)
+                    self.logits = static_step(self.model, self.token, self.position, state, addresses, self.routed)
                 self.graph_state = state
+        if addresses is not None:  # the provider saw none of this step's lookups
+            self.provider.count_addressed(self.routed)
         for s in state.layers:
             if hasattr(s, "length"):
                 s.length += 1

@@ -62,3 +62,22 @@ class GraphMode:
             self._addresses.copy_(table)
             self._table_state = "valid"
         return self._addresses if self._table_state == "valid" else None
+
+    def count_addressed(self, routed: torch.Tensor) -> None:
+        """Count a decode step that read its records by address (a graph replay sees no provider): `routed`
+        [num_layers, top_k] are the step's expert ids. A pool record is a hit; any other is a miss read in
+        place from the host tier, as the address table points."""
+        precision, n = self.cfg.precision, self.geometry.num_experts
+        stride = self.layouts[precision].stride
+        for layer, experts in enumerate(routed.tolist()):
+            c = self.stats.at(layer, precision)
+            c.decode_steps += 1
+            for e in sorted(set(experts)):
+                rid = self.geometry.rid(layer, e)
+                slot = self.pool.slot_of.get(rid)
+                hit = slot is not None and self.pool.precision_of[slot] == precision
+                c.lookups += 1
+                c.hits += hit
+                c.misses += not hit
+                self.stats.expert_uses[layer][rid % n] += 1
+                self.stats.read(layer, precision, "gpu" if hit else "host", stride)

@@ -39,6 +39,9 @@ def test_gpu_same_tokens_and_logits_for_every_setting(tiny, model_type):
             llm.close()
         lines.append(f"{model_type} {setting}: graph replays {replays}, misses {totals['misses']}, "
                      f"tokens {tokens[:8]}")
+        # graph replays are counted too: every decode step looked up each MoE layer's experts
+        assert totals["hits"] + totals["misses"] == totals["lookups"]
+        assert totals["decode_steps"] >= STEPS * len(llm.provider.stats.layers), setting
         if reference is None:
             reference = (tokens, logits)
             continue

@@ -89,3 +89,27 @@ def test_direct_io_is_reported(tiny):
         assert llm.stats()["direct_io"] or llm.provider.io_note
     finally:
         llm.close()
+
+
+def test_steps_read_by_address_are_counted(tiny):
+    """A CUDA-graph step bypasses the provider; the decoder hands it the step's expert ids to count."""
+    import torch
+
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=6 * STRIDE / 1e9, host_gb=0.01)
+    try:
+        llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=4))
+        g, before = llm.provider.geometry, llm.stats()["totals"]["q4"]
+        routed = torch.tensor([[0, 1, 1, 2][: llm.config.num_experts_per_tok]] * g.num_layers)
+        distinct = g.num_layers * len(set(routed[0].tolist()))
+        resident = sum(g.rid(layer, e) in llm.provider.pool.slot_of for layer in range(g.num_layers)
+                       for e in set(routed[0].tolist()))
+        assert 0 < resident < distinct  # some hits and some misses
+        llm.provider.count_addressed(routed)
+        after = llm.stats()["totals"]["q4"]
+        _check_totals(after)
+        assert after["lookups"] - before["lookups"] == distinct
+        assert after["hits"] - before["hits"] == resident
+        assert after["reads"]["host"]["records"] - before["reads"]["host"]["records"] == distinct - resident
+        assert after["decode_steps"] - before["decode_steps"] == g.num_layers
+    finally:
+        llm.close()
