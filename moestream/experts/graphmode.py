@@ -64,20 +64,38 @@ class GraphMode:
         return self._addresses if self._table_state == "valid" else None
 
     def count_addressed(self, routed: torch.Tensor) -> None:
-        """Count a decode step that read its records by address (a graph replay sees no provider): `routed`
-        [num_layers, top_k] are the step's expert ids. A pool record is a hit; any other is a miss read in
+        """Note a decode step that read its records by address (a graph replay sees no provider): `routed`
+        [num_layers, top_k] are its expert ids. Counted in bulk by `flush_addressed`, so the step never waits."""
+        self._addressed.append(routed.clone())
+        if len(self._addressed) >= 256:
+            self.flush_addressed()
+
+    def flush_addressed(self) -> None:
+        """Count the noted steps against the current residency; runs before residency can change (the next
+        provider step) and before the counters are read. A pool record is a hit; any other is a miss read in
         place from the host tier, as the address table points."""
-        precision, n = self.cfg.precision, self.geometry.num_experts
+        if not self._addressed:
+            return
+        ids = torch.stack(self._addressed).cpu().sort(-1).values  # [steps, layers, top_k]
+        self._addressed = []
+        g, precision = self.geometry, self.cfg.precision
         stride = self.layouts[precision].stride
-        for layer, experts in enumerate(routed.tolist()):
+        distinct = torch.ones_like(ids, dtype=torch.bool)
+        distinct[..., 1:] = ids[..., 1:] != ids[..., :-1]
+        rid = ids + torch.arange(g.num_layers)[None, :, None] * g.num_experts
+        resident = torch.zeros(g.num_records, dtype=torch.bool)
+        for r, slot in self.pool.slot_of.items():
+            resident[r] = self.pool.precision_of[slot] == precision
+        lookups = distinct.sum((0, 2)).tolist()
+        hits = (distinct & resident[rid]).sum((0, 2)).tolist()
+        uses = torch.bincount(rid[distinct], minlength=g.num_records).view(g.num_layers, g.num_experts).tolist()
+        for layer in range(g.num_layers):
             c = self.stats.at(layer, precision)
-            c.decode_steps += 1
-            for e in sorted(set(experts)):
-                rid = self.geometry.rid(layer, e)
-                slot = self.pool.slot_of.get(rid)
-                hit = slot is not None and self.pool.precision_of[slot] == precision
-                c.lookups += 1
-                c.hits += hit
-                c.misses += not hit
-                self.stats.expert_uses[layer][rid % n] += 1
-                self.stats.read(layer, precision, "gpu" if hit else "host", stride)
+            misses = lookups[layer] - hits[layer]
+            c.decode_steps += ids.shape[0]
+            c.lookups += lookups[layer]
+            c.hits += hits[layer]
+            c.misses += misses
+            self.stats.read(layer, precision, "gpu", hits[layer] * stride, records=hits[layer])
+            self.stats.read(layer, precision, "host", misses * stride, records=misses)
+            self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], uses[layer])]

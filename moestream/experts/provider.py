@@ -54,12 +54,14 @@ class StreamingProvider(GraphMode):
         self.profiler = Profiler(cfg.profile and self.device.cuda)
         self.routers: dict[int, torch.Tensor] = {}  # layer slot -> router weight, for lookahead
         self._addresses, self._table_state = None, None  # graph mode (graphmode.py)
+        self._addressed: list[torch.Tensor] = []  # expert ids of graph-mode steps not counted yet
 
     def attach(self, routers: dict[int, torch.Tensor]) -> None:
         self.routers = routers
 
     # -- the seam -------------------------------------------------------------------------------------
     def batches(self, layer_slot: int, topk_ids: torch.Tensor, x: torch.Tensor) -> Iterator[ExpertBatch]:
+        self.flush_addressed()  # count earlier graph steps before this step changes residency
         g = group_by_expert(topk_ids)
         self.pool.new_step()
         if topk_ids.shape[0] >= self.cfg.prefill_min_rows or len(g.experts) > self.pool.num_slots:
@@ -219,6 +221,7 @@ class StreamingProvider(GraphMode):
     # -- reporting ------------------------------------------------------------------------------------
     def snapshot(self) -> dict:
         """The counters, with which experts of each layer are resident in the GPU pool right now."""
+        self.flush_addressed()
         self.stats.timings.extend(self.profiler.resolve(self.device.device) if self.profiler.enabled else [])
         n = self.geometry.num_experts
         resident = [[] for _ in range(self.geometry.num_layers)]

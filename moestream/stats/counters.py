@@ -53,10 +53,11 @@ class ExpertStats:
             per[precision] = LayerCounters()
         return per[precision]
 
-    def read(self, layer: int, precision: str, tier: str, nbytes: int, seconds: float = 0.0) -> None:
+    def read(self, layer: int, precision: str, tier: str, nbytes: int, seconds: float = 0.0, records: int = 1) -> None:
+        """`records` reads of `nbytes` bytes in all."""
         with self.lock:
             c = self.at(layer, precision)
-            c.reads[tier].records += 1
+            c.reads[tier].records += records
             c.reads[tier].bytes += nbytes
             c.read_seconds += seconds
 
