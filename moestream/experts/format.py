@@ -127,6 +127,9 @@ class RecordLayout:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RecordLayout:
         fields = tuple(Field(f["name"], f["offset"], f["dtype"], tuple(f["shape"])) for f in d["fields"])
+        # the kernels read records with aligned vector loads: a misaligned field would fault on the GPU
+        if d["stride"] % PAGE or any(f.offset % FIELD_ALIGN for f in fields):
+            raise ValueError(f"{d['precision']} records are not {PAGE}-strided with {FIELD_ALIGN}-aligned fields")
         return cls(d["precision"], d["bits"], d["group_size"], d["hidden_size"], d["intermediate_size"],
                    fields, d["record_bytes"], d["stride"])
 

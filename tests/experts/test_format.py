@@ -37,3 +37,13 @@ def test_q4_needs_group_multiples():
 def test_record_ids():
     g = ExpertGeometry(num_layers=3, num_experts=8, hidden_size=64, intermediate_size=64, layer_ids=(0, 1, 2))
     assert g.rid(2, 5) == 21 and g.num_records == 24
+
+
+def test_misaligned_layout_is_refused():
+    """The kernels rely on page-strided records with 64-byte aligned fields (vector loads)."""
+    d = RecordLayout.build("q4", 128, 64).to_json()
+    RecordLayout.from_json(d)
+    with pytest.raises(ValueError, match="aligned"):
+        RecordLayout.from_json(d | {"stride": d["stride"] + 64})
+    with pytest.raises(ValueError, match="aligned"):
+        RecordLayout.from_json(d | {"fields": [f | {"offset": f["offset"] + 2} for f in d["fields"]]})

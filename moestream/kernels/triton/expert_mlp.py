@@ -57,10 +57,17 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, K: tl.constexpr, BI
 
 
 @triton.jit
+def _record(tile_addr_ptr, i):
+    """The record at address tile_addr_ptr[i], as a byte pointer. Records and their fields are 64-byte
+    aligned (format.py); saying so lets loads from them be vectorised (unknown alignment means 2-byte loads)."""
+    return tl.multiple_of(tl.load(tile_addr_ptr + i).to(tl.pointer_type(tl.uint8)), 64)
+
+
+@triton.jit
 def _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM: tl.constexpr):
     """This program's tile: its record's base pointer, first position, the [BM] positions' mask and entries."""
     tile = tl.program_id(0)
-    base = tl.load(tile_addr_ptr + tile).to(tl.pointer_type(tl.uint8))
+    base = _record(tile_addr_ptr, tile)
     start = tl.load(tile_start_ptr + tile)
     m = tl.arange(0, BM)
     valid = m < tl.load(tile_count_ptr + tile)
@@ -178,7 +185,7 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T)."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
-    base = tl.load(tile_addr_ptr + i).to(tl.pointer_type(tl.uint8))
+    base = _record(tile_addr_ptr, i)
     xrow = x_ptr + (e // TOP_K) * H
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
@@ -199,7 +206,7 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_dh, o
     """Decode: y[entries[i]] = h[i] @ down.T."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
-    base = tl.load(tile_addr_ptr + i).to(tl.pointer_type(tl.uint8))
+    base = _record(tile_addr_ptr, i)
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     acc = tl.zeros((BN, W), dtype=tl.float32)
