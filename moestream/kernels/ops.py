@@ -30,6 +30,15 @@ def expert_phase(rows: int) -> str:
     return "decode" if rows <= DECODE_MAX_ROWS else "prefill"
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim (reference.rms_norm)."""
+    if use_triton(x.device):
+        from moestream.kernels import norm
+
+        return norm.rms_norm(x, weight, eps, zero_centered)
+    return reference.rms_norm(x, weight, eps, zero_centered)
+
+
 def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],
                  order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
     """Unweighted outputs of experts `slots` over their routing entries into `out` [T * top_k, H]."""

@@ -10,6 +10,21 @@ from moestream.quant.affine import dequantize
 from moestream.quant.lowbit import dequantize_lowbit
 
 
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm over the last dim: `w * norm(x)` with norm(x) rounded to x's dtype first, or `(1 + w) * norm(x)`
+    in fp32; `weight` broadcasts against x."""
+    normed = rms(x, eps)
+    if zero_centered:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
 def expert_weights(record: torch.Tensor, layout: RecordLayout, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """One record's bytes -> (gate [I, H], up [I, H], down [H, I]) in `dtype`."""
     v = layout.views(record)

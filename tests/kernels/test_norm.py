@@ -1,0 +1,29 @@
+"""The Triton RMSNorm equals its torch reference (plain and zero-centred, power-of-two and ragged widths).
+Runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+
+import os
+
+import pytest
+import torch
+
+from moestream.kernels import reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.interpretable]
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+DTYPE = torch.float32 if INTERPRET else torch.bfloat16  # the interpreter (numpy) has no bf16 arithmetic
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 4, 128), (7, 2560), (5, 96), (4096, 64)])
+def test_matches_reference(shape, zero_centered):
+    pytest.importorskip("triton")
+    from moestream.kernels import norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).to(DEVICE, DTYPE)
+    w = (torch.randn(shape[-1], generator=gen) * 0.1 + (0 if zero_centered else 1)).to(DEVICE, DTYPE)
+    got = norm.rms_norm(x, w, 1e-6, zero_centered)
+    want = reference.rms_norm(x, w, 1e-6, zero_centered)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want)
