@@ -33,10 +33,19 @@ def expert_phase(rows: int) -> str:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim (reference.rms_norm)."""
     if use_triton(x.device):
-        from moestream.kernels import norm
+        from moestream.kernels import rowwise
 
-        return norm.rms_norm(x, weight, eps, zero_centered)
+        return rowwise.rms_norm(x, weight, eps, zero_centered)
     return reference.rms_norm(x, weight, eps, zero_centered)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding (reference.rotary)."""
+    if use_triton(x.device):
+        from moestream.kernels import rowwise
+
+        return rowwise.rotary(x, cos, sin)
+    return reference.rotary(x, cos, sin)
 
 
 def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],

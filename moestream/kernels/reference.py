@@ -25,6 +25,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return weight * normed.to(x.dtype)
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of the first cos.shape[-1] dims. x [T, heads, head_dim]; cos, sin [T, rot]."""
+    d = cos.shape[-1]
+    rot, rest = x[..., :d], x[..., d:]
+    half = d // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
 def expert_weights(record: torch.Tensor, layout: RecordLayout, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """One record's bytes -> (gate [I, H], up [I, H], down [H, I]) in `dtype`."""
     v = layout.views(record)

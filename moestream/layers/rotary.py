@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moestream.kernels import ops
+
 
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, partial_factor: float, theta: float):
@@ -29,9 +31,4 @@ class Rotary(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim]; cos, sin [T, rotary_dim]."""
-    d = cos.shape[-1]
-    rot, rest = x[..., :d], x[..., d:]
-    half = d // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+    return ops.rotary(x, cos, sin)

@@ -18,12 +18,26 @@ DTYPE = torch.float32 if INTERPRET else torch.bfloat16  # the interpreter (numpy
 @pytest.mark.parametrize("shape", [(1, 2048), (3, 4, 128), (7, 2560), (5, 96), (4096, 64)])
 def test_matches_reference(shape, zero_centered):
     pytest.importorskip("triton")
-    from moestream.kernels import norm
+    from moestream.kernels import rowwise
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=gen) * 3).to(DEVICE, DTYPE)
     w = (torch.randn(shape[-1], generator=gen) * 0.1 + (0 if zero_centered else 1)).to(DEVICE, DTYPE)
-    got = norm.rms_norm(x, w, 1e-6, zero_centered)
+    got = rowwise.rms_norm(x, w, 1e-6, zero_centered)
     want = reference.rms_norm(x, w, 1e-6, zero_centered)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("tokens,heads,head_dim,rot",
+                         [(3, 4, 128, 128), (2, 2, 256, 64), (5, 3, 64, 32), (1, 32, 128, 128)])
+def test_rotary_matches_reference(tokens, heads, head_dim, rot):
+    pytest.importorskip("triton")
+    from moestream.kernels import rowwise
+    from moestream.layers.rotary import Rotary
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, heads, head_dim, generator=gen).to(DEVICE, DTYPE)
+    cos, sin = Rotary(head_dim, rot / head_dim, 1e6).cos_sin(torch.arange(7, 7 + tokens), DTYPE)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    torch.testing.assert_close(rowwise.rotary(x, cos, sin), reference.rotary(x, cos, sin))
