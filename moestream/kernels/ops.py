@@ -48,6 +48,15 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return reference.rotary(x, cos, sin)
 
 
+def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype):
+    """Softmax top-k routing (reference.route)."""
+    if use_triton(logits.device):
+        from moestream.kernels import rowwise
+
+        return rowwise.route(logits, top_k, normalise, dtype)
+    return reference.route(logits, top_k, normalise, dtype)
+
+
 def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],
                  order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
     """Unweighted outputs of experts `slots` over their routing entries into `out` [T * top_k, H]."""

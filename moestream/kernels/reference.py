@@ -35,6 +35,15 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype):
+    """Router logits [T, E] -> (weights [T, K] in `dtype`, expert ids [T, K]); softmax in fp32."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
 def expert_weights(record: torch.Tensor, layout: RecordLayout, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """One record's bytes -> (gate [I, H], up [I, H], down [H, I]) in `dtype`."""
     v = layout.views(record)

@@ -1,4 +1,4 @@
-"""Launching the row-wise Triton kernels: RMSNorm and the rotary embedding."""
+"""Launching the row-wise Triton kernels: RMSNorm, the rotary embedding and MoE routing."""
 
 from __future__ import annotations
 
@@ -29,3 +29,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
                               HALF_BLOCK=triton.next_power_of_2(rot // 2),
                               REST_BLOCK=triton.next_power_of_2(max(d - rot, 1)), num_warps=1)
     return out
+
+
+def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype):
+    """logits [T, E] -> (weights [T, top_k] in `dtype`, expert ids [T, top_k] int64)."""
+    from moestream.kernels.triton.rowwise import route_kernel
+
+    t, experts = logits.shape
+    weights = torch.empty(t, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    route_kernel[(t,)](logits.contiguous(), weights, ids, E=experts, BLOCK=triton.next_power_of_2(experts),
+                       TOP_K=top_k, K_BLOCK=triton.next_power_of_2(top_k), NORMALISE=normalise,
+                       num_warps=4 if experts >= 256 else 1)
+    return weights, ids

@@ -11,15 +11,6 @@ from moestream.kernels import ops
 from moestream.layers.mlp import MLP
 
 
-def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype):
-    """Router logits [T, E] -> (weights [T, K] in `dtype`, expert ids [T, K]); softmax in fp32."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if normalise:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(dtype), ids
-
-
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_slot: int, shared_expert: bool):
         super().__init__()
@@ -37,7 +28,7 @@ class SparseMoE(nn.Module):
         experts are read in place with no host decision (a CUDA-graph decode step), and their ids are
         copied to `routed` [T * top_k] for the counters; else through the provider's batches."""
         t, h = x.shape
-        weights, ids = route(self.gate(x), self.top_k, self.normalise, x.dtype)
+        weights, ids = ops.route(self.gate(x), self.top_k, self.normalise, x.dtype)
         y = x.new_empty(t * self.top_k, h)
         if addresses is not None:
             ops.expert_entries(x, addresses[ids.reshape(-1)], self.provider.layout, self.top_k, y)

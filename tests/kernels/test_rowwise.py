@@ -41,3 +41,16 @@ def test_rotary_matches_reference(tokens, heads, head_dim, rot):
     cos, sin = Rotary(head_dim, rot / head_dim, 1e6).cos_sin(torch.arange(7, 7 + tokens), DTYPE)
     cos, sin = cos.to(DEVICE), sin.to(DEVICE)
     torch.testing.assert_close(rowwise.rotary(x, cos, sin), reference.rotary(x, cos, sin))
+
+
+@pytest.mark.parametrize("experts,top_k,normalise", [(128, 8, True), (512, 10, True), (60, 4, False), (8, 2, True)])
+def test_route_matches_reference(experts, top_k, normalise):
+    pytest.importorskip("triton")
+    from moestream.kernels import rowwise
+
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(33, experts, generator=gen) * 2).to(DEVICE, DTYPE)
+    weights, ids = rowwise.route(logits, top_k, normalise, DTYPE)
+    want_weights, want_ids = reference.route(logits, top_k, normalise, DTYPE)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights)

@@ -1,5 +1,6 @@
 """Row-wise glue of the attention block, each one launch instead of the torch version's several: RMSNorm
-(one program per row) and the rotary embedding (one program per token and head)."""
+(one program per row), the rotary embedding (one program per token and head) and MoE routing (one
+program per token)."""
 
 import triton
 import triton.language as tl
@@ -45,3 +46,29 @@ def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS: tl.constexpr, D: tl.c
     if ROT < D:  # the dims past the rotary part pass through
         j = ROT + tl.arange(0, REST_BLOCK)
         tl.store(out + j, tl.load(row + j, mask=j < D), mask=j < D)
+
+
+@triton.jit
+def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                 K_BLOCK: tl.constexpr, NORMALISE: tl.constexpr):
+    """Softmax over a token's E router logits in fp32, then the TOP_K largest, largest first (a tie goes to
+    the lower expert id), optionally renormalised to sum to 1."""
+    r = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK)
+    logits = tl.load(logits_ptr + r * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)
+    k = tl.arange(0, K_BLOCK)
+    chosen_p = tl.zeros((K_BLOCK,), dtype=tl.float32)
+    chosen_e = tl.zeros((K_BLOCK,), dtype=tl.int64)
+    left = tl.where(e < E, p, -1.0)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        idx = tl.min(tl.where(left == best, e, BLOCK), axis=0)
+        chosen_p = tl.where(k == i, best, chosen_p)
+        chosen_e = tl.where(k == i, idx.to(tl.int64), chosen_e)
+        left = tl.where(e == idx, -1.0, left)
+    if NORMALISE:
+        chosen_p = chosen_p / tl.sum(chosen_p, axis=0)
+    tl.store(weights_ptr + r * TOP_K + k, chosen_p.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
+    tl.store(ids_ptr + r * TOP_K + k, chosen_e, mask=k < TOP_K)
