@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moestream.layers.attention import decode_attention
+from moestream.layers.attention import decode_attention, visible_positions
 from moestream.layers.moe import SparseMoE
 from moestream.models.base import CausalLM, SequenceState
 
@@ -28,12 +28,15 @@ def static_step(model: CausalLM, token: torch.Tensor, position: torch.Tensor, st
     `addresses` each MoE layer's expert ids into `routed` [num_moe_layers, top_k]."""
     x = model.model.embed_tokens(token)
     rope = model.rotary.cos_sin(position, x.dtype)
+    visible = None  # computed once: the layers' caches grow alike, so their capacities agree
     for layer, layer_state in zip(model.model.layers, state.layers):
         h = layer.input_layernorm(x)
         if layer.kind == "linear_attention":
             x = x + layer.linear_attn(h, layer_state)
         else:
-            x = x + decode_attention(layer.self_attn, h, rope, position, layer_state)
+            if visible is None or visible.shape[0] != layer_state.k.shape[0]:
+                visible = visible_positions(layer_state, position)
+            x = x + decode_attention(layer.self_attn, h, rope, position, layer_state, visible)
         h = layer.post_attention_layernorm(x)
         if isinstance(layer.mlp, SparseMoE):
             slot = layer.mlp.layer_slot

@@ -99,13 +99,19 @@ class Attention(nn.Module):
         return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)
 
 
-def decode_attention(attn: Attention, x: torch.Tensor, rope, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """One token at device-side `position` [1], attending over the whole cache buffer with a mask, so the
-    shapes never change and the step can be captured in a CUDA graph. The caller advances `cache.length`."""
+def visible_positions(cache: KVCache, position: torch.Tensor) -> torch.Tensor:
+    """[capacity] bool: the cache rows a token at `position` attends to (the same for every layer)."""
+    return torch.arange(cache.k.shape[0], device=position.device) <= position
+
+
+def decode_attention(attn: Attention, x: torch.Tensor, rope, position: torch.Tensor, cache: KVCache,
+                     visible: torch.Tensor) -> torch.Tensor:
+    """One token at device-side `position` [1], attending over the whole cache buffer with the `visible`
+    mask, so the shapes never change and the step can be captured in a CUDA graph. The caller advances
+    `cache.length`."""
     q, k, v, gate = attn.project(x, rope)
     cache.k.index_copy_(0, position, k)
     cache.v.index_copy_(0, position, v)
-    visible = torch.arange(cache.k.shape[0], device=x.device) <= position  # [capacity]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k.transpose(0, 1)[None],
                                          cache.v.transpose(0, 1)[None], attn_mask=visible[None, None, None, :],
                                          scale=attn.head_dim ** -0.5, enable_gqa=attn.heads != attn.kv_heads)
