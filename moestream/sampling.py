@@ -37,10 +37,16 @@ class Sampler:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
 
-    def __call__(self, logits: torch.Tensor, previous: list[int]) -> int:
-        """logits [vocab] float32 -> the next token id."""
+    @property
+    def needs_history(self) -> bool:
         p = self.p
-        if previous and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+        return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+    def __call__(self, logits: torch.Tensor, previous: list[int]) -> int:
+        """logits [vocab] float32 -> the next token id; `previous` (the tokens so far) matters only to the
+        penalties."""
+        p = self.p
+        if previous and self.needs_history:
             logits = logits.clone()
             ids, counts = torch.unique(torch.tensor(previous, device=logits.device), return_counts=True)
             seen = logits[ids]

@@ -91,7 +91,7 @@ def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch
     t.prefill_seconds += time.perf_counter() - start
     start = time.perf_counter()
     for i in range(p.max_tokens):
-        token = sampler(logits, seq.prompt + seq.generated)
+        token = sampler(logits, seq.prompt + seq.generated if sampler.needs_history else [])
         seq.generated.append(token)
         t.generated_tokens += 1
         done = None
