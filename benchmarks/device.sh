@@ -11,7 +11,7 @@ for stage in "$@"; do
   case "$stage" in
     invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
-    kernels) timeout 200 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
+    kernels) timeout 400 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
              cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
     kernels-full) python -m benchmarks.bench_kernels --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
                   cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
