@@ -45,14 +45,20 @@ def _save(path: str, state: dict) -> None:
 def stage_stores(args) -> None:
     from benchmarks.synthetic import build
 
-    m = build(STORES["qwen3-30b"], "qwen3-30b", skew=args.skew)
+    def existing(path: str):
+        return open_store(path).manifest if os.path.isfile(os.path.join(path, "manifest.json")) else None
+
+    m = existing(STORES["qwen3-30b"]) or build(STORES["qwen3-30b"], "qwen3-30b", skew=args.skew)
     g = m.geometry
     # the 30B store's q3 and q2 variants are derived later (the low-bit rows): leave them room
     low_bit = sum(RecordLayout.build(p, g.hidden_size, g.intermediate_size).stride for p in ("q3", "q2"))
     free = os.statvfs("/tmp").f_bavail * os.statvfs("/tmp").f_frsize - g.num_records * low_bit - 8e9
     per_layer = 512 * RecordLayout.build("q4", 2560, 640).stride  # qwen3.8-flash-next records per layer
     layers = max(4, min(48, int(free // per_layer) // 4 * 4))
-    build(STORES["qwen3.8-flash-next"], "qwen3.8-flash-next", layers=layers, skew=args.skew)
+    if not existing(STORES["qwen3.8-flash-next"]):
+        build(STORES["qwen3.8-flash-next"], "qwen3.8-flash-next", layers=layers, skew=args.skew)
+    layers = existing(STORES["qwen3.8-flash-next"]).geometry.num_layers
+    print(f"stores ready: qwen3-30b (48 layers), qwen3.8-flash-next ({layers} layers)")
 
 
 def _bound(scenario: dict, lim: dict) -> float:

@@ -3,7 +3,9 @@ a host-tier slot), then copy host -> device on the copy stream and record the sl
 
 A fetch is a future that completes once the copy is enqueued; the compute stream then waits on the
 event, so the host never waits for a copy to finish. Host threads block only on disk reads and on
-reusing a pinned buffer whose previous copy is still in flight (counted as ring wait).
+reusing a pinned buffer whose previous copy is still in flight (counted as ring wait). A host-tier hit
+with nothing to wait for is enqueued by the caller itself: a hop through the reader threads costs more
+than the copy's enqueue, and their contention for the GIL stalled the prefill ring.
 """
 
 from __future__ import annotations
@@ -65,8 +67,16 @@ class Fetcher:
             host_slot, hit = self.host.slot_for((precision, rid))
             source = "host" if hit else "disk"
             host_wait = self.host.last_job[host_slot]
-        future = self.pool.submit(self._job, rid, precision, layer, dst, dst_last_use, wait_for, ready, source,
-                                  host_slot, host_wait, started)
+        job = (rid, precision, layer, dst, dst_last_use, wait_for, ready, source, host_slot, host_wait, started)
+        if source == "host" and all(f is None or f.done() for f in (wait_for, host_wait)):
+            future = Future()
+            try:
+                self._job(*job)
+                future.set_result(None)
+            except Exception as e:  # surfaces where the caller waits, as a reader thread's would
+                future.set_exception(e)
+        else:
+            future = self.pool.submit(self._job, *job)
         if host_slot is not None:
             self.host.last_job[host_slot] = future
         return future
