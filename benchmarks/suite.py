@@ -186,8 +186,8 @@ def main() -> None:
             lim = state.get("limits")
             for r in runs:
                 r["bound"] = _bound(r, lim) if lim and r["engine"].startswith("moestream") else None
-            engines = {r["engine"] for r in runs}
-            state["runs"] = [r for r in earlier if r["engine"] not in engines] + runs
+            replaced = {(r.get("model"), r["engine"]) for r in runs}
+            state["runs"] = [r for r in earlier if (r.get("model"), r["engine"]) not in replaced] + runs
             _save(args.out, state)
 
         args.save = save

@@ -3,15 +3,17 @@ a host-tier slot), then copy host -> device on the copy stream and record the sl
 
 A fetch is a future that completes once the copy is enqueued; the compute stream then waits on the
 event, so the host never waits for a copy to finish. Host threads block only on disk reads and on
-reusing a pinned buffer whose previous copy is still in flight (counted as ring wait). A host-tier hit
-with nothing to wait for is enqueued by the caller itself: a hop through the reader threads costs more
-than the copy's enqueue, and their contention for the GIL stalled the prefill ring.
+reusing a pinned buffer whose previous copy is still in flight (counted as ring wait). Host-tier hits with
+nothing to wait for are enqueued by the caller itself, in bulk: a hop through the reader threads costs
+more than the copy's enqueue, and their contention for the GIL stalled the prefill ring.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +49,30 @@ class StagingPool:
             self.cond.notify()
 
 
+@dataclass(frozen=True, slots=True)
+class FetchRequest:
+    """Fill `dst` (a device slot) with record `rid`; `ready` is recorded on the copy stream after the copy.
+    `dst_last_use`: the compute event after the slot's last reader; `wait_for`: an earlier fetch into the same
+    slot that must land first; `started`: recorded before the copy when profiling."""
+
+    rid: int
+    precision: str
+    layer: int
+    dst: torch.Tensor
+    dst_last_use: object
+    wait_for: Future | None
+    ready: object
+    started: object = None
+
+
+ENQUEUED = Future()  # the future of a copy the caller enqueued itself
+ENQUEUED.set_result(None)
+
+
+def _settled(f: Future | None) -> bool:
+    return f is None or f is ENQUEUED or (f.done() and not f.cancelled() and f.exception() is None)
+
+
 class Fetcher:
     def __init__(self, device: Device, readers: dict[str, RecordReader], host: HostTier | None, stats: ExpertStats,
                  threads: int, staging: int, fake: bool = False):
@@ -56,66 +82,72 @@ class Fetcher:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-read")
         self.enqueue_lock = threading.Lock()
 
-    def fetch(self, rid: int, precision: str, layer: int, dst: torch.Tensor, dst_last_use, wait_for: Future | None,
-              ready, started=None) -> Future:
-        """Fill `dst` (a device slot) with record `rid`; `ready` is recorded on the copy stream after the copy.
+    def fetch(self, requests: list[FetchRequest]) -> list[Future]:
+        """One future per request, done once its copy is enqueued. Host-tier hits with nothing to wait for are
+        enqueued here, at once (before a later request can evict their host slot); the rest go to the reader
+        threads, which take the lock after this."""
+        futures, enqueued = [], Counter()
+        with self.enqueue_lock, self.device.copy_context():
+            for r in requests:
+                host_slot, host_wait, source = None, None, "disk"
+                if self.host is not None:  # host-tier keys carry the precision: mixed mode keeps both
+                    host_slot, hit = self.host.slot_for((r.precision, r.rid))
+                    source = "host" if hit else "disk"
+                    host_wait = self.host.last_job[host_slot]
+                if source == "host" and _settled(r.wait_for) and _settled(host_wait):
+                    self._enqueue(r, self.host.buffer[host_slot])
+                    self.host.copy_event[host_slot] = r.ready
+                    enqueued[r.layer, r.precision] += 1
+                    future = ENQUEUED
+                else:
+                    future = self.pool.submit(self._job, r, source, host_slot, host_wait)
+                if host_slot is not None:
+                    self.host.last_job[host_slot] = future
+                futures.append(future)
+        for (layer, precision), n in enqueued.items():
+            self.stats.read(layer, precision, "host", n * self.readers[precision].stride, records=n)
+        return futures
 
-        `dst_last_use`: the compute event after the slot's last reader; `wait_for`: an earlier fetch into the
-        same slot that must land first."""
-        host_slot, host_wait, source = None, None, "disk"
-        if self.host is not None:  # host-tier keys carry the precision: mixed mode keeps both
-            host_slot, hit = self.host.slot_for((precision, rid))
-            source = "host" if hit else "disk"
-            host_wait = self.host.last_job[host_slot]
-        job = (rid, precision, layer, dst, dst_last_use, wait_for, ready, source, host_slot, host_wait, started)
-        if source == "host" and all(f is None or f.done() for f in (wait_for, host_wait)):
-            future = Future()
-            try:
-                self._job(*job)
-                future.set_result(None)
-            except Exception as e:  # surfaces where the caller waits, as a reader thread's would
-                future.set_exception(e)
-        else:
-            future = self.pool.submit(self._job, *job)
-        if host_slot is not None:
-            self.host.last_job[host_slot] = future
-        return future
+    def _enqueue(self, r: FetchRequest, src: torch.Tensor) -> None:
+        """The copy of `src` into `r.dst` on the copy stream; the caller holds the lock and the stream."""
+        self.device.wait_on_copy(r.dst_last_use)
+        if r.started is not None:
+            r.started.record(self.device.copy_stream)
+        if not self.fake:
+            stride = self.readers[r.precision].stride
+            r.dst[:stride].copy_(src[:stride], non_blocking=True)
+        r.ready.record(self.device.copy_stream)
 
-    def _job(self, rid, precision, layer, dst, dst_last_use, wait_for, ready, source, host_slot, host_wait, started):
+    def _job(self, r: FetchRequest, source: str, host_slot: int | None, host_wait: Future | None) -> None:
         timeout = self.device.timeout_s
-        for earlier in (wait_for, host_wait):
+        for earlier in (r.wait_for, host_wait):
             if earlier is not None:
                 earlier.result(timeout=timeout)
-        reader = self.readers[precision]
+        reader = self.readers[r.precision]
         stride, waited = reader.stride, 0.0
         staging = None
         if host_slot is not None:
-            buf = self.host.buffer[host_slot][:stride]
+            buf = self.host.buffer[host_slot]
             if source == "disk":
                 waited = self.device.host_wait(self.host.copy_event[host_slot], "copy out of the host tier")
         else:
             staging, waited = self.staging.acquire()
-            buf = self.staging.buffers[staging][:stride]
+            buf = self.staging.buffers[staging]
         if source == "disk":
-            seconds = 0.0 if self.fake else reader.read(rid, buf)
-            self.stats.read(layer, precision, "disk", stride, seconds)
+            seconds = 0.0 if self.fake else reader.read(r.rid, buf[:stride])
+            self.stats.read(r.layer, r.precision, "disk", stride, seconds)
         else:
-            self.stats.read(layer, precision, "host", stride)
+            self.stats.read(r.layer, r.precision, "host", stride)
         # One enqueue at a time: each copy's wait, start and ready events stay contiguous on the stream.
         with self.enqueue_lock, self.device.copy_context():
-            self.device.wait_on_copy(dst_last_use)
-            if started is not None:  # profiling: the copy's start on the copy stream
-                started.record(self.device.copy_stream)
-            if not self.fake:
-                dst[:stride].copy_(buf, non_blocking=True)
-            ready.record(self.device.copy_stream)
+            self._enqueue(r, buf)
         if host_slot is not None:
-            self.host.copy_event[host_slot] = ready
+            self.host.copy_event[host_slot] = r.ready
         else:
-            self.staging.release(staging, ready)
+            self.staging.release(staging, r.ready)
         if waited:
             with self.stats.lock:
-                self.stats.at(layer, precision).ring_wait_seconds += waited
+                self.stats.at(r.layer, r.precision).ring_wait_seconds += waited
 
     def fill_host(self, rid: int, precision: str, layer: int) -> Future:
         """Read record `rid` from disk into the host tier only (preloading for zero-copy reads)."""

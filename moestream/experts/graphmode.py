@@ -25,7 +25,7 @@ class GraphMode:
             for e in range(g.num_experts):
                 rid = g.rid(layer, e)
                 if where == "pool" and self.pool.lookup(rid) is None:
-                    futures.append(self._fetch(layer, rid, self.pool.allocate(rid), precision))
+                    futures += self._fetch(layer, [(rid, self.pool.allocate(rid))], precision)
                 elif where == "host" and self.host.lookup((precision, rid)) is None:
                     futures.append(self.fetcher.fill_host(rid, precision, layer))
             if on_progress:

@@ -18,15 +18,17 @@ class Grouping:
     order: torch.Tensor  # [T * K] flat (row * K + k) indices, grouped by expert (device of the ids)
 
 
-def group_by_expert(topk_ids: torch.Tensor) -> Grouping:
-    """topk_ids [T, K] -> grouping. One small device-to-host copy of the ids."""
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
+    """topk_ids [T, K] -> grouping. One small device-to-host copy: the per-expert counts."""
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique(flat.cpu(), sorted=True, return_counts=True)
+    per_expert = torch.bincount(flat, minlength=num_experts).tolist()
+    experts = [e for e, c in enumerate(per_expert) if c]
+    counts = [per_expert[e] for e in experts]
     offsets = [0]
-    for c in counts.tolist():
+    for c in counts:
         offsets.append(offsets[-1] + c)
-    return Grouping(experts.tolist(), counts.tolist(), offsets, order)
+    return Grouping(experts, counts, offsets, order)
 
 
 @dataclass(frozen=True)

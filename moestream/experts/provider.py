@@ -21,7 +21,7 @@ import torch
 
 from moestream.config import ExpertConfig
 from moestream.experts.budget import pool_slots_for
-from moestream.experts.fetch import Fetcher
+from moestream.experts.fetch import Fetcher, FetchRequest
 from moestream.experts.graphmode import GraphMode
 from moestream.experts.grouping import ExpertBatch, Grouping, batch_of, group_by_expert
 from moestream.experts.host import HostTier
@@ -62,7 +62,7 @@ class StreamingProvider(GraphMode):
     # -- the seam -------------------------------------------------------------------------------------
     def batches(self, layer_slot: int, topk_ids: torch.Tensor, x: torch.Tensor) -> Iterator[ExpertBatch]:
         self.flush_addressed()  # count earlier graph steps before this step changes residency
-        g = group_by_expert(topk_ids)
+        g = group_by_expert(topk_ids, self.geometry.num_experts)
         self.pool.new_step()
         if topk_ids.shape[0] >= self.cfg.prefill_min_rows or len(g.experts) > self.pool.num_slots:
             yield from self._ring_path(layer_slot, g)
@@ -77,12 +77,14 @@ class StreamingProvider(GraphMode):
             rid = self.geometry.rid(layer, e)
             slot = self._lookup(layer, rid)
             jobs.append((j, slot, self.pool.pending[slot] if slot is not None else None))
-        for i, (j, slot, _) in enumerate(jobs):
-            if slot is None:  # a demand miss: fetched at the miss precision
-                rid = self.geometry.rid(layer, g.experts[j])
-                slot = self.pool.allocate(rid)
-                self.pool.pin(slot)
-                jobs[i] = (j, slot, self._fetch(layer, rid, slot, self.miss_precision))
+        misses = [i for i, (_, slot, _) in enumerate(jobs) if slot is None]
+        items = []
+        for i in misses:  # demand misses: fetched at the miss precision
+            rid = self.geometry.rid(layer, g.experts[jobs[i][0]])
+            items.append((rid, self.pool.allocate(rid)))
+            self.pool.pin(items[-1][1])
+        for i, (_, slot), future in zip(misses, items, self._fetch(layer, items, self.miss_precision)):
+            jobs[i] = (jobs[i][0], slot, future)
         if self.cfg.lookahead:
             self._prefetch_next(layer, x)
         hits = [job for job in jobs if job[2] is None or job[2].done()]
@@ -110,7 +112,7 @@ class StreamingProvider(GraphMode):
             if slot is None:
                 break
             self.pool.prefetched.add(rid)
-            self._fetch(layer + 1, rid, slot, self.cfg.precision)
+            self._fetch(layer + 1, [(rid, slot)], self.cfg.precision)
             c.prefetch_issued += 1
 
     # -- prefill --------------------------------------------------------------------------------------
@@ -120,7 +122,7 @@ class StreamingProvider(GraphMode):
         share = self.pool.num_slots // self.geometry.num_layers
         ranked = sorted(range(len(g.experts)), key=lambda j: -g.counts[j])  # stable: ties keep expert order
         keep = set(ranked[:share])
-        slots, waits, ring_jobs = [], [], []  # ring_jobs: (job index, rid, ring slot)
+        slots, waits, fills, ring_jobs = [], [], [], []  # fills, ring_jobs: (expert index, rid, slot)
         for j, e in enumerate(g.experts):
             rid = self.geometry.rid(layer, e)
             slot = self._lookup(layer, rid)
@@ -129,14 +131,21 @@ class StreamingProvider(GraphMode):
                 slot = self.pool.allocate(rid) if j in keep else None
                 if slot is not None:  # fills the pool (base precision) and stays for decode
                     self.pool.pin(slot)
-                    wait = self._fetch(layer, rid, slot, self.cfg.precision)
+                    fills.append((j, rid, slot))
                 else:
                     slot = self.pool.ring_slot(len(ring_jobs))
                     ring_jobs.append((j, rid, slot))
             slots.append(slot)
             waits.append(wait)
+        for (j, _, _), f in zip(fills, self._fetch(layer, [(r, s) for _, r, s in fills], self.cfg.precision)):
+            waits[j] = f
+        # Residents already in place compute first, in one batch, while the copies stream; the rest follow
+        # in expert order, `ring_group` at a time (a batch's composition never changes a row's arithmetic).
+        fetched = {j for j, _, _ in fills + ring_jobs}
+        present = [j for j, w in enumerate(waits) if j not in fetched and (w is None or w.done())]
+        rest = sorted(set(range(len(slots))) - set(present))
         group, ring = self.cfg.ring_group, self.pool.ring_slots
-        batches = [list(range(i, min(i + group, len(slots)))) for i in range(0, len(slots), group)]
+        batches = ([present] if present else []) + [rest[i: i + group] for i in range(0, len(rest), group)]
         batch_of_job = {j: b for b, idx in enumerate(batches) for j in idx}
         # A ring job reuses the slot of ring job r - RING; it may start once that job's batch is done.
         gate = [batch_of_job[ring_jobs[r - ring][0]] if r >= ring else -1 for r in range(len(ring_jobs))]
@@ -144,10 +153,13 @@ class StreamingProvider(GraphMode):
 
         def submit_ready(done_batch: int) -> None:
             nonlocal submitted
+            start = submitted
             while submitted < len(ring_jobs) and gate[submitted] <= done_batch:
-                j, rid, slot = ring_jobs[submitted]
-                waits[j] = self._fetch(layer, rid, slot, self.miss_precision, ring=True)
                 submitted += 1
+            jobs = ring_jobs[start:submitted]
+            for (j, _, _), f in zip(jobs, self._fetch(layer, [(r, s) for _, r, s in jobs], self.miss_precision,
+                                                      ring=True)):
+                waits[j] = f
 
         submit_ready(-1)
         for b, idx in enumerate(batches):
@@ -187,18 +199,23 @@ class StreamingProvider(GraphMode):
             groups.setdefault(self.pool.precision_of[job[1]], []).append(job)
         return sorted(groups.items(), key=lambda kv: kv[0] != self.cfg.precision)
 
-    def _fetch(self, layer: int, rid: int, slot: int, precision: str, ring: bool = False):
+    def _fetch(self, layer: int, items: list[tuple[int, int]], precision: str, ring: bool = False) -> list:
+        """Fetch records into distinct slots, `items` = [(record id, slot)]; one future per item."""
         if not ring:
             self._table_state = None  # residency changes: graph-mode addresses must be rebuilt
-        started, ready = self.profiler.copy_events(self.device)
-        ready = ready or self.device.event()
-        future = self.fetcher.fetch(rid, precision, layer, self.pool.buffer[slot], self.pool.last_use[slot],
-                                    self.pool.pending[slot], ready, started)
-        self.pool.pending[slot], self.pool.ready[slot] = future, ready
-        self.pool.precision_of[slot] = precision
-        if ring:
-            self.pool.rid_of[slot] = rid
-        return future
+        requests = []
+        for rid, slot in items:
+            started, ready = self.profiler.copy_events(self.device)
+            ready = ready or self.device.event()
+            requests.append(FetchRequest(rid, precision, layer, self.pool.buffer[slot], self.pool.last_use[slot],
+                                         self.pool.pending[slot], ready, started))
+            self.pool.ready[slot], self.pool.precision_of[slot] = ready, precision
+            if ring:
+                self.pool.rid_of[slot] = rid
+        futures = self.fetcher.fetch(requests)
+        for (_, slot), future in zip(items, futures):
+            self.pool.pending[slot] = future
+        return futures
 
     def _wait(self, layer: int, slots: list[int], futures: list) -> None:
         """Block until the fetches are enqueued, then make the compute stream wait for their copies."""
