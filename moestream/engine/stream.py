@@ -41,7 +41,7 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         llm, params = self.llm, self.params
-        self._before = llm.provider.stats.snapshot()["totals"]
+        self._before = llm.provider.totals()
         self.seq = llm._sequence(self.prompt_ids, params)
         for step in llm._run(self.seq):
             self.tokens.append(step.token)
@@ -63,5 +63,5 @@ class TextStream:
 
     def output(self):
         stats = {"timings": self.seq.timings.as_dict(),
-                 "experts": delta(self._before, self.llm.provider.stats.snapshot()["totals"])}
+                 "experts": delta(self._before, self.llm.provider.totals())}
         return RequestOutput(self.text, self.tokens, self.prompt_ids, self.finish_reason, stats)

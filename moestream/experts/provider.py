@@ -236,6 +236,11 @@ class StreamingProvider(GraphMode):
             self.pool.last_use[s] = done
 
     # -- reporting ------------------------------------------------------------------------------------
+    def totals(self) -> dict:
+        """The counters' totals per precision, with every graph-mode step counted so far."""
+        self.flush_addressed()
+        return self.stats.snapshot()["totals"]
+
     def snapshot(self) -> dict:
         """The counters, with which experts of each layer are resident in the GPU pool right now."""
         self.flush_addressed()

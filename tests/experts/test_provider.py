@@ -114,3 +114,22 @@ def test_steps_read_by_address_are_counted(tiny):
         assert after["decode_steps"] - before["decode_steps"] == 2 * g.num_layers
     finally:
         llm.close()
+
+
+def test_a_request_counts_its_own_steps_read_by_address(tiny):
+    """Steps noted before a request belong to the earlier request, not to the next one's counts."""
+    import torch
+
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=6 * STRIDE / 1e9, host_gb=0.01)
+    try:
+        layers, params = llm.provider.geometry.num_layers, SamplingParams(max_tokens=4, ignore_eos=True)
+        first = llm.generate([prompt_of(llm, 8)], params)[0].stats["experts"]["q4"]["decode_steps"]
+        routed = torch.zeros(layers, llm.config.num_experts_per_tok, dtype=torch.long)
+        llm.provider.count_addressed(routed)  # a graph step of an earlier request, not counted yet
+        again = llm.generate([prompt_of(llm, 8)], params)[0].stats["experts"]["q4"]["decode_steps"]
+        assert again == first
+        before = llm.provider.totals()["q4"]["decode_steps"]
+        llm.provider.count_addressed(routed)
+        assert llm.provider.totals()["q4"]["decode_steps"] == before + layers  # counted when read
+    finally:
+        llm.close()
