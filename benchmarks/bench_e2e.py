@@ -7,6 +7,9 @@ python -m benchmarks.bench_e2e STORE [--decode] [--prefill] [--pool-frac 0.25]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
+import os
 import random
 import time
 
@@ -54,9 +57,26 @@ def decode_runs(store: str, tokens: int = 64, profile: bool = False) -> list[dic
     return rows
 
 
+@contextlib.contextmanager
+def _traced(path: str | None):
+    """A host + GPU timeline (Chrome trace, gzipped) of the block, to see where the host or a stream waits."""
+    if not path:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+        g.write(f.read())
+    os.remove(path)
+
+
 def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0,
-                 warm: bool = False) -> list[dict]:
-    """With `warm`, each prompt runs once first so the host tier holds what the measured run misses."""
+                 warm: bool = False, trace: str | None = None) -> list[dict]:
+    """With `warm`, each prompt runs once first so the host tier holds what the measured run misses; with
+    `trace` (a folder), the measured run's timeline is saved there."""
     s = open_store(store)
     total_gb = s.manifest.geometry.num_records * s.manifest.layouts["q4"].stride / 1e9
     rows = []
@@ -67,17 +87,19 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
             if warm:
                 llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
             start = time.perf_counter()
-            out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+            with _traced(trace and os.path.join(trace, f"prefill-{frac:g}-{n}.json")):
+                out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
             wall = time.perf_counter() - start
             e = out.stats["experts"]["q4"]
             timings = llm.stats()["prefill_timings"][-s.manifest.geometry.num_layers:]
             copy = sum(t["copy_s"] for t in timings)
             compute = sum(t["compute_s"] for t in timings)
             gpu_wall = sum(t["wall_s"] for t in timings)
+            host = sum(t["host_s"] for t in timings)
             reads = {tier: e["reads"][tier]["bytes"] / 1e9 for tier in ("disk", "host")}
             rows.append({"pool_frac": frac, "host_gb": host_gb, "prompt": n, "prefill_tok_s": n / wall, "seconds": wall,
                          "disk_gb": reads["disk"], "host_read_gb": reads["host"],
-                         "copy_s": copy, "compute_s": compute, "expert_wall_s": gpu_wall,
+                         "copy_s": copy, "compute_s": compute, "expert_wall_s": gpu_wall, "host_s": host,
                          "io_wait_s": e["io_wait_seconds"], "ring_wait_s": e["ring_wait_seconds"],
                          "per_layer": timings})
             print({k: v for k, v in rows[-1].items() if k != "per_layer"})
@@ -96,6 +118,7 @@ def main() -> None:
     p.add_argument("--host-gb", type=float, default=0.0)
     p.add_argument("--warm", action="store_true", help="run each prompt once before timing it")
     p.add_argument("--profile", action="store_true", help="break an eager decode step down by kernel")
+    p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
     args = p.parse_args()
     data, table = {}, []
     if args.decode:
@@ -104,9 +127,11 @@ def main() -> None:
                   for r in data["decode"]]
     if args.prefill:
         data["prefill"] = prefill_runs(args.store, [float(f) for f in args.fracs.split(",")],
-                                       [int(n) for n in args.lengths.split(",")], args.host_gb, args.warm)
+                                       [int(n) for n in args.lengths.split(",")], args.host_gb, args.warm,
+                                       out_dir("e2e") if args.trace else None)
         table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens", f"{r['prefill_tok_s']:.0f} tok/s",
-                   f"copy {r['copy_s']:.2f} s, compute {r['compute_s']:.2f} s, wall {r['expert_wall_s']:.2f} s",
+                   f"copy {r['copy_s']:.2f} s, compute {r['compute_s']:.2f} s, wall {r['expert_wall_s']:.2f} s, "
+                   f"host {r['host_s']:.2f} s",
                    f"disk {r['disk_gb']:.1f} GB, host {r['host_read_gb']:.1f} GB"] for r in data["prefill"]]
     write(out_dir("e2e"), "e2e", data, table, ["phase", "case", "rate", "detail", "bytes"])
 

@@ -1,7 +1,10 @@
 """Optional per-layer prefill timing with CUDA events: copy-stream busy time, expert compute time and
-wall time, resolved only when the stats are read (no synchronisation while running)."""
+wall time, resolved only when the stats are read (no synchronisation while running); and the host's time
+in the layer's ring path, which bounds the wall when the GPU outruns the host."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -15,13 +18,15 @@ class Profiler:
     def begin(self, layer: int) -> dict | None:
         if not self.enabled:
             return None
-        self.current = {"layer": layer, "copies": [], "compute": [], "start": self.mark()}
+        self.current = {"layer": layer, "copies": [], "compute": [], "start": self.mark(),
+                        "host_start": time.perf_counter()}
         self.layers.append(self.current)
         return self.current
 
     def end(self, prof: dict | None) -> None:
         if prof is not None:
             prof["end"] = self.mark()
+            prof["host_s"] = time.perf_counter() - prof["host_start"]
             self.current = None
 
     def mark(self):
@@ -48,6 +53,6 @@ class Profiler:
             out.append({"layer": p["layer"], "copies": len(p["copies"]),
                         "copy_s": sum(a.elapsed_time(b) for a, b in p["copies"]) / 1e3,
                         "compute_s": sum(a.elapsed_time(b) for a, b in p["compute"]) / 1e3,
-                        "wall_s": p["start"].elapsed_time(p["end"]) / 1e3})
+                        "wall_s": p["start"].elapsed_time(p["end"]) / 1e3, "host_s": p["host_s"]})
         self.layers = []
         return out

@@ -118,7 +118,9 @@ def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: Rec
     base, stride = buffer.data_ptr(), buffer.stride(0)
     if phase == "decode":  # one tile per entry, in `order`: the entries themselves index the tiles
         addr = [base + slot * stride for j, slot in enumerate(slots) for _ in range(offsets[j], offsets[j + 1])]
-        launch_decode(x, out, order, _to_device(torch.tensor(addr, dtype=torch.int64), x.device), layout, top_k)
+        table = _tables(x.device).put([addr])
+        launch_decode(x, out, order, table[0], layout, top_k)
+        _tables(x.device).launched()
         return
     bm = tile_config(phase, layout).bm
     addr, start, count = [], [], []
@@ -127,12 +129,45 @@ def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: Rec
             addr.append(base + slot * stride)
             start.append(m0)
             count.append(min(bm, offsets[j + 1] - m0))
-    meta = _to_device(torch.tensor([addr, start, count], dtype=torch.int64), x.device)
+    meta = _tables(x.device).put([addr, start, count])
     launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k)
+    _tables(x.device).launched()
 
 
-def _to_device(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
+class TileTables:
+    """Pinned host rows that the kernels read in place: a launch's tile table needs no copy on the compute
+    stream, where it would wait behind the ring's record copies on the copy engine. Each of `count` tables is
+    rewritten only after the launch that read it has run. Elsewhere (the interpreter) plain CPU tensors."""
+
+    def __init__(self, pinned: bool, count: int = 32):
+        self.pinned, self.index = pinned, 0
+        self.tables: list[torch.Tensor | None] = [None] * count
+        self.events: list = [None] * count
+
+    def put(self, rows: list[list[int]]) -> torch.Tensor:
+        """[len(rows), n] int64 holding `rows`, valid until `count` launches later."""
+        if not self.pinned:
+            return torch.tensor(rows, dtype=torch.int64)
+        i, n = self.index, len(rows[0])
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # the launch that read this table has run
+        t = self.tables[i]
+        if t is None or t.shape[0] < len(rows) or t.shape[1] < n:
+            t = self.tables[i] = torch.empty(len(rows), max(2 * n, 256), dtype=torch.int64, pin_memory=True)
+        view = t[: len(rows), :n]
+        view.numpy()[:] = rows
+        return view
+
+    def launched(self) -> None:
+        if self.pinned:
+            self.events[self.index] = torch.cuda.Event()
+            self.events[self.index].record()
+        self.index = (self.index + 1) % len(self.tables)
+
+
+@functools.cache
+def _tables(device: torch.device) -> TileTables:
+    return TileTables(device.type == "cuda")
 
 
 @functools.cache
