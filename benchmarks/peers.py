@@ -69,7 +69,7 @@ def run_peers(store: str, offload_tokens: int = 3) -> list[dict]:
     model = _hf_model(store, "cuda")
     vocab = model.config.vocab_size
     for r in _rates(model, vocab, "cuda", 32, (512, 4096)):
-        runs.append({"engine": "transformers (GPU)", "pool": 1.0, "host_tier": False, **r})
+        runs.append({"model": "qwen3-30b", "engine": "transformers (GPU)", "pool": 1.0, "host_tier": False, **r})
         print(runs[-1])
     del model
     torch.cuda.empty_cache()
@@ -78,6 +78,7 @@ def run_peers(store: str, offload_tokens: int = 3) -> list[dict]:
     model = _hf_model(store, "cpu")
     model = dispatch_model(model, device_map=expert_offload_map(model))
     for r in _rates(model, vocab, "cuda", offload_tokens, (512,)):
-        runs.append({"engine": "transformers + accelerate (experts on CPU)", "pool": 0.0, "host_tier": True, **r})
+        runs.append({"model": "qwen3-30b", "engine": "transformers + accelerate (experts on CPU)", "pool": 0.0,
+                     "host_tier": True, **r})
         print(runs[-1])
     return runs

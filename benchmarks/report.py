@@ -1,31 +1,83 @@
-"""The suite's report: a markdown table (moestream beside each peer and the bound, per scenario) and PNG
-plots (tok/s against pool size with the bound drawn in)."""
+"""The suite's report: per model, a markdown table with moestream's figure beside each peer's and the bound
+in every scenario, issue 7's targets checked, and PNG plots (tok/s against pool size with the bound drawn
+in; hit rate per layer)."""
 
 from __future__ import annotations
 
 import json
 import os
 
+PEERS = ("transformers (GPU)", "transformers + accelerate (experts on CPU)")
+HEADER = ["scenario", "pool", "host tier", "engine", "tok/s", "bound", "of bound", *PEERS]
+
+
+def _model(run: dict) -> str:
+    return run.get("model", "qwen3-30b")  # peers ran on the 30B geometry only
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def table(runs: list[dict], model: str) -> list[str]:
+    peers = {(r["engine"], r["scenario"], r["tokens"]): r["rate"] for r in runs
+             if r["engine"] in PEERS and _model(r) == model}
+    ours = sorted((r for r in runs if r["engine"] not in PEERS and _model(r) == model),
+                  key=lambda r: (r["scenario"], r["tokens"], -r["pool"], r["host_tier"], r["engine"]))
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for r in ours:
+        bound = None if r.get("bound_invalid") else r.get("bound")
+        cells = [f"{r['scenario']} {r['tokens']}", f"{r['pool']:.0%}", "on" if r["host_tier"] else "off", r["engine"],
+                 _fmt(r["rate"]), "invalid" if r.get("bound_invalid") else _fmt(bound),
+                 f"{r['rate'] / bound:.0%}" if bound else "-",
+                 *(_fmt(peers.get((p, r["scenario"], r["tokens"]))) for p in PEERS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def targets(runs: list[dict]) -> list[str]:
+    """Issue 7's targets for the 30B geometry, each with the figure that meets or misses it."""
+    def pick(*key):  # (scenario, tokens, pool, host tier)
+        return next((r for r in runs if _model(r) == "qwen3-30b" and r["engine"] == "moestream"
+                     and (r["scenario"], r["tokens"], r["pool"], r["host_tier"]) == key), None)
+
+    def share(r):
+        return r["rate"] / r["bound"] if r and r.get("bound") and not r.get("bound_invalid") else None
+
+    rows = [("decode, whole model resident", pick("decode", 16, 1.0, False), 150, lambda r: r["rate"], "tok/s"),
+            ("decode, pool 25%, host tier", pick("decode", 16, 0.25, True), 0.8, share, "of H2D bound"),
+            ("prefill 4096, pool 25%, host tier", pick("prefill", 4096, 0.25, True), 0.7, share, "of bound")]
+    rows += [(f"{s} {n}, pool {p:.0%}, disk only", pick(s, n, p, False), 0.8, share, "of disk bound")
+             for s, n in (("decode", 16), ("prefill", 512), ("prefill", 4096)) for p in (0.5, 0.25)]
+    lines = ["| target | figure | goal | met |", "|---|---|---|---|"]
+    for name, r, goal, value, unit in rows:
+        v = value(r) if r else None
+        shown = "-" if v is None else (f"{v:.1f} {unit}" if unit == "tok/s" else f"{v:.1%} {unit}")
+        goal_shown = f">= {goal} {unit}" if unit == "tok/s" else f">= {goal:.0%}"
+        lines.append(f"| {name} | {shown} | {goal_shown} | {'-' if v is None else 'yes' if v >= goal else 'no'} |")
+    return lines
+
 
 def write_report(path: str) -> None:
     state = json.load(open(os.path.join(path, "suite.json")))
     runs = state["runs"]
-    lines = ["| model | scenario | pool | host tier | engine | tok/s | bound | of bound |", "|" + "---|" * 8]
-    for r in sorted(runs, key=lambda r: (r.get("model", ""), r["scenario"], r["tokens"], -r["pool"], r["engine"])):
-        bound = r.get("bound")
-        lines.append(f"| {r.get('model', 'qwen3-30b')} | {r['scenario']} {r['tokens']} | {r['pool']:.0%} | "
-                     f"{'on' if r['host_tier'] else 'off'} | {r['engine']} | {r['rate']:.1f} | "
-                     f"{bound:.1f} | {r['rate'] / bound:.0%} |" if bound else
-                     f"| {r.get('model', 'qwen3-30b')} | {r['scenario']} {r['tokens']} | {r['pool']:.0%} | "
-                     f"{'on' if r['host_tier'] else 'off'} | {r['engine']} | {r['rate']:.1f} | - | - |")
     lim = state.get("limits", {})
     record = f" ({lim['h2d_record_gbs']:.1f} in record-sized copies)" if "h2d_record_gbs" in lim else ""
-    header = (f"Limits measured in the same run: pinned H2D {lim.get('h2d_pinned_gbs', 0):.1f} GB/s{record}, "
-              f"O_DIRECT disk {lim.get('disk_odirect_gbs', 0):.2f} GB/s, "
-              f"HBM copy {lim.get('hbm_copy_gbs', 0):.0f} GB/s.\n\n")
+    out = [f"Limits measured in the same run: pinned H2D {lim.get('h2d_pinned_gbs', 0):.1f} GB/s{record}, "
+           f"O_DIRECT disk {lim.get('disk_odirect_gbs', 0):.2f} GB/s, HBM copy {lim.get('hbm_copy_gbs', 0):.0f} GB/s, "
+           f"dense bf16 matmul {lim.get('bf16_matmul_tflops', 0):.0f} TFLOP/s. Peers ran on the same geometry and "
+           "prompts; their figures sit beside every moestream row of the same scenario.", ""]
+    out += [f"Note: {note}\n" for note in state.get("notes", [])]
+    for model in sorted({_model(r) for r in runs}):
+        out += [f"## {model}", "", *table(runs, model), ""]
+    out += ["## Targets (issue 7, 30B geometry)", "", *targets(runs), ""]
     with open(os.path.join(path, "report.md"), "w") as f:
-        f.write(header + "\n".join(lines) + "\n")
-    print(header + "\n".join(lines))
+        f.write("\n".join(out))
+    print("\n".join(out))
+    _plots(path, runs, state.get("hit_rates", {}))
+
+
+def _plots(path: str, runs: list[dict], hit_rates: dict) -> None:
     try:
         import matplotlib
 
@@ -33,18 +85,33 @@ def write_report(path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    for scenario, tokens in {(r["scenario"], r["tokens"]) for r in runs if r["engine"] == "moestream"}:
+    cases = {(_model(r), r["scenario"], r["tokens"]) for r in runs if r["engine"] == "moestream"}
+    for model, scenario, tokens in sorted(cases):
         fig, ax = plt.subplots(figsize=(6, 4))
         for host in (False, True):
-            sel = sorted((r for r in runs if r["engine"] == "moestream" and r["scenario"] == scenario
-                          and r["tokens"] == tokens and r["host_tier"] == host), key=lambda r: r["pool"])
+            sel = sorted((r for r in runs if r["engine"] == "moestream" and _model(r) == model
+                          and (r["scenario"], r["tokens"], r["host_tier"]) == (scenario, tokens, host)),
+                         key=lambda r: r["pool"])
             if sel:
                 label = "host tier" if host else "disk only"
                 ax.plot([r["pool"] for r in sel], [r["rate"] for r in sel], "o-", label=f"moestream, {label}")
-                ax.plot([r["pool"] for r in sel], [r["bound"] or 0 for r in sel], "--", label=f"bound, {label}")
+                bounds = [float("nan") if r.get("bound_invalid") else r.get("bound") or float("nan") for r in sel]
+                ax.plot([r["pool"] for r in sel], bounds, "--", label=f"bound, {label}")
         ax.set_xlabel("GPU pool (fraction of the experts)")
         ax.set_ylabel("tok/s")
-        ax.set_title(f"{scenario} {tokens}")
+        ax.set_yscale("log")
+        ax.set_title(f"{model}: {scenario} {tokens}")
         ax.legend()
-        fig.savefig(os.path.join(path, f"{scenario}-{tokens}.png"), dpi=100, bbox_inches="tight")
+        fig.savefig(os.path.join(path, f"{model}-{scenario}-{tokens}.png"), dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    for model in sorted({key.split("/")[0] for key in hit_rates}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, rates in sorted(hit_rates.items()):
+            if key.startswith(model + "/"):
+                ax.plot(range(len(rates)), rates, label=key.split("/", 1)[1])
+        ax.set_xlabel("MoE layer")
+        ax.set_ylabel("GPU pool hit rate")
+        ax.set_title(f"{model}: hit rate per layer over the scenarios")
+        ax.legend(fontsize=7)
+        fig.savefig(os.path.join(path, f"{model}-hit-rate.png"), dpi=100, bbox_inches="tight")
         plt.close(fig)

@@ -134,11 +134,21 @@ def stage_moestream(args) -> list[dict]:
                       host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host, **opts)
             base = {"model": name, "engine": engine, "pool": frac, "host_tier": host}
             runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream" else SCENARIOS[::2])
-            args.save(runs)  # a call stopped by its time limit keeps what it measured
+            mode = f"{name}/{engine}, pool {frac:.0%}, {'host tier' if host else 'disk only'}"
+            args.save(runs, {mode: hit_rates(llm.stats()["layers"])})  # a call stopped by its limit keeps these
             llm.close()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return runs
+
+
+def hit_rates(layers: list[dict]) -> list[float]:
+    """GPU pool hits over lookups per MoE layer, all precisions together."""
+    out = []
+    for per in layers:
+        lookups = sum(c["lookups"] for c in per.values())
+        out.append(sum(c["hits"] for c in per.values()) / lookups if lookups else 0.0)
+    return out
 
 
 def stage_peers(args) -> list[dict]:
@@ -182,7 +192,8 @@ def main() -> None:
     elif args.stage in ("moestream", "peers"):
         earlier = state["runs"]
 
-        def save(runs: list[dict]) -> None:
+        def save(runs: list[dict], rates: dict | None = None) -> None:
+            state.setdefault("hit_rates", {}).update(rates or {})
             lim = state.get("limits")
             for r in runs:
                 r["bound"] = _bound(r, lim) if lim and r["engine"].startswith("moestream") else None
