@@ -78,14 +78,15 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's low plane holds two of its bits
     field_mask = 0 if bits == 16 else ((1 << (2 if bits == 3 else bits)) - 1) << (23 - bits)
     h = torch.empty(addr.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
+    prefetch = cfg.num_stages > 1  # decode "stages": 2 = the next chunk's loads in flight while one computes
     gate_up_gemv_kernel[(addr.shape[0], inter // cfg.bn_gate_up)](
         x, h, entries, addr, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"], o["up_s"],
         o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=layout.group_size or 64,
-        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=1)
     down_gemv_kernel[(addr.shape[0], hidden // cfg.bn_down)](
         h, out, entries, addr, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask, H=hidden, I=inter,
-        BITS=bits, GROUP=layout.group_size or 64, BN=cfg.bn_down, BK=cfg.bk_down, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BITS=bits, GROUP=layout.group_size or 64, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=prefetch,
+        num_warps=cfg.num_warps, num_stages=1)
 
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,

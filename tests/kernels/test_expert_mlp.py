@@ -107,3 +107,25 @@ def test_decode_bf16_activations(precision):
         reference.expert_group(x.float(), buf, [i], layout, [0, 1], entries[i:i + 1], 2, want)
     assert not torch.isnan(out).any()
     assert (out.float() - want).norm() / want.norm() < 2e-2
+
+
+@pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
+def test_decode_with_prefetch(precision):
+    """Decode with the next chunk's weights loaded while one computes (num_stages 2): same results, and the
+    load past the last chunk is masked off."""
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(2)
+    layout = RecordLayout.build(precision, 256, 128)
+    buf = make_buffer(layout, 3, gen)
+    x = torch.randn(2, 256, generator=gen).to(DEVICE, DTYPE)
+    entries = torch.arange(4, device=DEVICE)
+    addr = torch.tensor([buf[i % 3].data_ptr() for i in range(4)], device=DEVICE)
+    out = torch.full((4, 256), float("nan"), dtype=DTYPE, device=DEVICE)
+    expert_mlp.launch_decode(x, out, entries, addr, layout, 2, cfg=TileConfig(1, 16, 64, 32, 64, 2, 2))
+    want = torch.empty(4, 256, dtype=DTYPE, device=DEVICE)
+    for i in range(4):
+        reference.expert_group(x, buf, [i % 3], layout, [0, 1], entries[i:i + 1], 2, want)
+    assert not torch.isnan(out).any()
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2

@@ -125,34 +125,53 @@ def _field(w, SHIFT: tl.constexpr, mask):
 
 
 @triton.jit
-def _gemv_acc(acc, base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr,
-              BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """acc += W[n, k] * v[k] over columns k0..k0+BK: [BN, BK] products for bf16, per-group sums for codes."""
+def _gemv_load(base, off_w, off_h, n, k0, K: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr):
+    """The weight bits of columns k0..k0+BK of rows n, zeros past K: bf16 values [BN, BK], or code words
+    [BN, BK // PER] and Q3's high-bit half-words (the words again when there are none)."""
+    live = k0 < K
     if BITS == 16:
         k = k0 + tl.arange(0, BK)
-        w = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :]).to(tl.float32)
-        acc += w * tl.load(vec_ptr + k).to(tl.float32)[None, :]
+        words = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :], mask=live,
+                        other=0)
+        high = words
     else:
-        acc += _codes_dot(base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, field_mask, K, BITS, GROUP, BN, BK)
+        WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
+        PER: tl.constexpr = 32 // WBITS
+        wc = k0 // PER + tl.arange(0, BK // PER)
+        words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None] * (K // PER) + wc[None, :],
+                        mask=live, other=0)
+        if BITS == 3:  # the high bits of word wc's 16 codes are 16-bit word wc of the `_h` plane (little-endian)
+            high = tl.load((base + off_h).to(tl.pointer_type(tl.int16)) + n[:, None] * (K // 16) + wc[None, :],
+                           mask=live, other=0).to(tl.int32)
+        else:
+            high = words
+    return words, high
+
+
+@triton.jit
+def _gemv_acc(acc, words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr,
+              BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc += W[n, k] * v[k] over columns k0..k0+BK from `_gemv_load`'s bits: [BN, BK] products for bf16,
+    per-group sums for codes."""
+    if BITS == 16:
+        acc += words.to(tl.float32) * tl.load(vec_ptr + k0 + tl.arange(0, BK)).to(tl.float32)[None, :]
+    else:
+        acc += _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K, BITS, GROUP, BN, BK)
     return acc
 
 
 @triton.jit
-def _codes_dot(base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr, BITS: tl.constexpr,
+def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr, BITS: tl.constexpr,
                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """[BN, BK // GROUP] per-group sums of W[n, k] * v[k] over columns k0..k0+BK.
 
     Codes become floats without int->float conversions: a code moved into the top mantissa bits of 1.0
     reads as f = 1 + q / 2**BITS, so sum(q v) = 2**BITS * (sum(f v) - sum(v)); scale and bias then apply
     once per group. `field_mask` arrives at run time so that ptxas fuses the mask and the OR of 1.0."""
-    WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
+    WBITS: tl.constexpr = 2 if BITS == 3 else BITS
     PER: tl.constexpr = 32 // WBITS
     BKW: tl.constexpr = BK // PER
     wc = k0 // PER + tl.arange(0, BKW)
-    words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None] * (K // PER) + wc[None, :])
-    if BITS == 3:  # the high bits of word wc's 16 codes are 16-bit word wc of the `_h` plane (little-endian)
-        high = tl.load((base + off_h).to(tl.pointer_type(tl.int16)) + n[:, None] * (K // 16) + wc[None, :])
-        high = high.to(tl.int32)
     pairs = vec_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     dot = tl.zeros((BN, BKW), dtype=tl.float32)
     vsum = tl.zeros((BKW,), dtype=tl.float32)
@@ -181,8 +200,12 @@ def _codes_dot(base, off_w, off_h, off_s, off_b, n, vec_ptr, k0, field_mask, K: 
 @triton.jit
 def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh,
                         off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                        BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T)."""
+                        BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        PREFETCH: tl.constexpr):
+    """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
+
+    PREFETCH loads chunk k0 + BK before computing chunk k0 (Triton's pipeliner leaves loads that feed no
+    tl.dot alone), so a warp keeps a chunk of HBM reads in flight while it computes."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
     base = _record(tile_addr_ptr, i)
@@ -191,9 +214,21 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     acc_g = tl.zeros((BN, W), dtype=tl.float32)
     acc_u = tl.zeros((BN, W), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        acc_g = _gemv_acc(acc_g, base, off_gw, off_gh, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
-        acc_u = _gemv_acc(acc_u, base, off_uw, off_uh, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
+    if PREFETCH:
+        gw, gh = _gemv_load(base, off_gw, off_gh, n, 0, H, BITS, BK)
+        uw, uh = _gemv_load(base, off_uw, off_uh, n, 0, H, BITS, BK)
+        for k0 in range(0, H, BK):
+            gw_next, gh_next = _gemv_load(base, off_gw, off_gh, n, k0 + BK, H, BITS, BK)
+            uw_next, uh_next = _gemv_load(base, off_uw, off_uh, n, k0 + BK, H, BITS, BK)
+            acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
+            acc_u = _gemv_acc(acc_u, uw, uh, base, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
+            gw, gh, uw, uh = gw_next, gh_next, uw_next, uh_next
+    else:
+        for k0 in range(0, H, BK):
+            gw, gh = _gemv_load(base, off_gw, off_gh, n, k0, H, BITS, BK)
+            uw, uh = _gemv_load(base, off_uw, off_uh, n, k0, H, BITS, BK)
+            acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
+            acc_u = _gemv_acc(acc_u, uw, uh, base, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
     g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
     h = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
@@ -202,15 +237,23 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh
 @triton.jit
 def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_dh, off_ds, off_db, field_mask,
                      H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T."""
+                     BK: tl.constexpr, PREFETCH: tl.constexpr):
+    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH as in gate_up_gemv_kernel)."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
     base = _record(tile_addr_ptr, i)
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     acc = tl.zeros((BN, W), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        acc = _gemv_acc(acc, base, off_dw, off_dh, off_ds, off_db, n, h_ptr + i * I, k0, field_mask, I, BITS, GROUP,
-                        BN, BK)
+    hrow = h_ptr + i * I
+    if PREFETCH:
+        dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK)
+        for k0 in range(0, I, BK):
+            dw_next, dh_next = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK)
+            acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
+            dw, dh = dw_next, dh_next
+    else:
+        for k0 in range(0, I, BK):
+            dw, dh = _gemv_load(base, off_dw, off_dh, n, k0, I, BITS, BK)
+            acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
     tl.store(y_ptr + e * H + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
