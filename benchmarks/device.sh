@@ -28,6 +28,9 @@ for stage in "$@"; do
     e2e) wait_stores; timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     overlap) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --prefill --fracs 0.25 --lengths 4096 \
              --host-gb 24 --warm 2>&1 | tee "$OUT/overlap.log" | tail -8 ;;
+    overlap-trace) [ -f /tmp/s12/manifest.json ] || python -m benchmarks.synthetic /tmp/s12 --geometry qwen3-30b --layers 12
+             timeout 200 python -m benchmarks.bench_e2e /tmp/s12 --prefill --fracs 0.25 --lengths 4096 --host-gb 8 \
+             --warm --trace 2>&1 | tee "$OUT/overlap-trace.log" | tail -8 ;;
     limits) suite limits ;;
     suite-30b) wait_stores; suite moestream --store qwen3-30b=$STORE --modes q4 ;;
     suite-lowbit) wait_stores; suite moestream --store qwen3-30b=$STORE --modes low-bit ;;

@@ -32,7 +32,7 @@ class TileConfig:
     unpack: int = 0
 
 
-DEFAULTS = {"decode": TileConfig(1, 32, 128, 32, 128, 4, 2), "prefill": TileConfig(128, 64, 64, 128, 128, 8, 4, 1)}
+DEFAULTS = {"decode": TileConfig(1, 32, 128, 32, 128, 4, 1), "prefill": TileConfig(128, 64, 64, 128, 128, 8, 4, 1)}
 
 
 @functools.cache
@@ -45,7 +45,9 @@ def _table() -> dict:
 
 def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
     key = f"{phase}/bits{layout.bits}/h{layout.hidden_size}/i{layout.intermediate_size}"
-    entry = _table().get(key) or _table().get(f"{phase}/bits{layout.bits}")
+    # Q3/Q2 decode reads Q4's layout of words: without tiles of their own they take Q4's
+    fallback = _table().get(f"{phase}/bits4") if phase == "decode" and layout.bits < 4 else None
+    entry = _table().get(key) or _table().get(f"{phase}/bits{layout.bits}") or fallback
     cfg = TileConfig(**entry) if entry else DEFAULTS[phase]
     # Tiles must divide the matrix: fall back to the largest power of two that does.
     return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, layout.intermediate_size), _fit(cfg.bk_gate_up, layout.hidden_size),
