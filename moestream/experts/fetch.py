@@ -95,7 +95,7 @@ class Fetcher:
                     source = "host" if hit else "disk"
                     host_wait = self.host.last_job[host_slot]
                 if source == "host" and _settled(r.wait_for) and _settled(host_wait):
-                    self._enqueue(r, self.host.buffer[host_slot])
+                    self._enqueue(r, self.host.views[host_slot])
                     self.host.copy_event[host_slot] = r.ready
                     enqueued[r.layer, r.precision] += 1
                     future = ENQUEUED
@@ -114,8 +114,11 @@ class Fetcher:
         if r.started is not None:
             r.started.record(self.device.copy_stream)
         if not self.fake:
-            stride = self.readers[r.precision].stride
-            r.dst[:stride].copy_(src[:stride], non_blocking=True)
+            stride = self.readers[r.precision].stride  # a low-bit record fills only the front of a slot
+            if stride == r.dst.shape[0] == src.shape[0]:
+                r.dst.copy_(src, non_blocking=True)
+            else:
+                r.dst[:stride].copy_(src[:stride], non_blocking=True)
         r.ready.record(self.device.copy_stream)
 
     def _job(self, r: FetchRequest, source: str, host_slot: int | None, host_wait: Future | None) -> None:
@@ -127,7 +130,7 @@ class Fetcher:
         stride, waited = reader.stride, 0.0
         staging = None
         if host_slot is not None:
-            buf = self.host.buffer[host_slot]
+            buf = self.host.views[host_slot]
             if source == "disk":
                 waited = self.device.host_wait(self.host.copy_event[host_slot], "copy out of the host tier")
         else:

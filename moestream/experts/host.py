@@ -14,6 +14,7 @@ class HostTier:
     def __init__(self, capacity: int, stride: int, pinned: bool):
         self.capacity, self.stride = capacity, stride
         self.buffer = host_buffer(capacity * stride, pinned).view(capacity, stride)
+        self.views = list(self.buffer.unbind())
         self.slot_of: dict[tuple[str, int], int] = {}  # (precision, record id) -> slot
         self.rid_of: list[tuple[str, int] | None] = [None] * capacity
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(capacity))

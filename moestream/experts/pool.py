@@ -18,6 +18,7 @@ class ExpertPool:
     def __init__(self, num_slots: int, ring_slots: int, stride: int, device: torch.device):
         self.num_slots, self.ring_slots, self.stride = num_slots, ring_slots, stride
         self.buffer = torch.empty(num_slots + ring_slots, stride, dtype=torch.uint8, device=device)
+        self.views = list(self.buffer.unbind())  # one view per slot, made once (the prefill ring asks often)
         total = num_slots + ring_slots
         self.slot_of: dict[int, int] = {}
         self.rid_of: list[int | None] = [None] * total

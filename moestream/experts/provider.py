@@ -157,9 +157,10 @@ class StreamingProvider(GraphMode):
             while submitted < len(ring_jobs) and gate[submitted] <= done_batch:
                 submitted += 1
             jobs = ring_jobs[start:submitted]
-            for (j, _, _), f in zip(jobs, self._fetch(layer, [(r, s) for _, r, s in jobs], self.miss_precision,
-                                                      ring=True)):
-                waits[j] = f
+            if jobs:
+                items = [(r, s) for _, r, s in jobs]
+                for (j, _, _), f in zip(jobs, self._fetch(layer, items, self.miss_precision, ring=True)):
+                    waits[j] = f
 
         submit_ready(-1)
         for b, idx in enumerate(batches):
@@ -207,7 +208,7 @@ class StreamingProvider(GraphMode):
         for rid, slot in items:
             started, ready = self.profiler.copy_events(self.device)
             ready = ready or self.device.event()
-            requests.append(FetchRequest(rid, precision, layer, self.pool.buffer[slot], self.pool.last_use[slot],
+            requests.append(FetchRequest(rid, precision, layer, self.pool.views[slot], self.pool.last_use[slot],
                                          self.pool.pending[slot], ready, started))
             self.pool.ready[slot], self.pool.precision_of[slot] = ready, precision
             if ring:
