@@ -42,13 +42,15 @@ class ExpertPool:
     def pin(self, slot: int) -> None:
         self.pinned.add(slot)
 
-    def allocate(self, rid: int) -> int | None:
-        """A pool slot for `rid`: the least recently used slot not pinned by this step, or None."""
-        for slot in self.lru:
-            if slot not in self.pinned:
-                break
-        else:
-            return None
+    def allocate(self, rid: int, slot: int | None = None) -> int | None:
+        """A pool slot for `rid`: `slot` (evicting its record), else the least recently used slot not pinned
+        by this step, or None."""
+        if slot is None:
+            for slot in self.lru:
+                if slot not in self.pinned:
+                    break
+            else:
+                return None
         old = self.rid_of[slot]
         if old is not None:
             del self.slot_of[old]

@@ -122,21 +122,34 @@ class StreamingProvider(GraphMode):
         share = self.pool.num_slots // self.geometry.num_layers
         ranked = sorted(range(len(g.experts)), key=lambda j: -g.counts[j])  # stable: ties keep expert order
         keep = set(ranked[:share])
-        slots, waits, fills, ring_jobs = [], [], [], []  # fills, ring_jobs: (expert index, rid, slot)
-        for j, e in enumerate(g.experts):
-            rid = self.geometry.rid(layer, e)
-            slot = self._lookup(layer, rid)
-            wait = self.pool.pending[slot] if slot is not None else None
-            if slot is None:
-                slot = self.pool.allocate(rid) if j in keep else None
-                if slot is not None:  # fills the pool (base precision) and stays for decode
-                    self.pool.pin(slot)
-                    fills.append((j, rid, slot))
-                else:
-                    slot = self.pool.ring_slot(len(ring_jobs))
-                    ring_jobs.append((j, rid, slot))
-            slots.append(slot)
-            waits.append(wait)
+        rids = [self.geometry.rid(layer, e) for e in g.experts]
+        slots = [self._lookup(layer, rid) for rid in rids]  # first every hit, pinned before any fill evicts
+        waits = [self.pool.pending[s] if s is not None else None for s in slots]
+        # The layer keeps up to `share` records: fills take the slots of its residents unused by this step
+        # first, then free room, so that filling one layer does not evict the layers after it.
+        used, idle = set(g.experts), []
+        for e in range(self.geometry.num_experts):
+            slot = None if e in used else self.pool.slot_of.get(self.geometry.rid(layer, e))
+            if slot is not None:
+                idle.append(slot)
+        room = share - len(idle) - sum(s is not None for s in slots)
+        fills, ring_jobs = [], []  # (expert index, rid, slot)
+        for j, rid in enumerate(rids):
+            if slots[j] is not None:
+                continue
+            slot = None
+            if j in keep and idle:  # fills the pool (base precision) and stays for decode
+                slot = self.pool.allocate(rid, idle.pop())
+            elif j in keep and room > 0:
+                slot = self.pool.allocate(rid)
+                room -= 1
+            if slot is not None:
+                self.pool.pin(slot)
+                fills.append((j, rid, slot))
+            else:
+                slot = self.pool.ring_slot(len(ring_jobs))
+                ring_jobs.append((j, rid, slot))
+            slots[j] = slot
         for (j, _, _), f in zip(fills, self._fetch(layer, [(r, s) for _, r, s in fills], self.cfg.precision)):
             waits[j] = f
         # Residents already in place compute first, in one batch, while the copies stream; the rest follow

@@ -133,3 +133,20 @@ def test_a_request_counts_its_own_steps_read_by_address(tiny):
         assert llm.provider.totals()["q4"]["decode_steps"] == before + layers  # counted when read
     finally:
         llm.close()
+
+
+def test_prefill_keeps_each_layers_share_across_requests(tiny):
+    """A prefill's pool fills take its own layer's idle slots, so the next layers keep their residents: a
+    second long prompt finds each layer's share still in the pool."""
+    store = tiny.store("qwen3_moe")
+    llm = LLM(store, device="cpu", pool_gb=8 * STRIDE / 1e9)  # 2 of 8 experts per layer
+    try:
+        layers = llm.provider.geometry.num_layers
+        share = llm.provider.pool.num_slots // layers
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        llm.generate([prompt_of(llm, 48)], params)
+        second = llm.generate([prompt_of(llm, 48, seed=1)], params)[0].stats["experts"]["q4"]
+        assert second["prefill_steps"] == layers
+        assert second["hits"] >= layers * share - 1
+    finally:
+        llm.close()
