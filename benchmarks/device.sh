@@ -19,7 +19,7 @@ for stage in "$@"; do
                echo $! > /tmp/stores.pid ;;
     invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
-    kernel-tests) timeout 150 python -m pytest -q -m gpu tests/kernels 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
+    kernel-tests) timeout 300 python -m pytest -q -m gpu tests/kernels 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
     kernels) timeout 400 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
              cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
     kernels-decode) timeout 150 python -m benchmarks.bench_kernels --quick --tune --phases decode 2>&1 | tee "$OUT/kernels.log" | tail -8
