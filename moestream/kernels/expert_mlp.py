@@ -155,8 +155,8 @@ class TileTables:
         if self.events[i] is not None:
             self.events[i].synchronize()  # the launch that read this table has run
         t = self.tables[i]
-        if t is None or t.shape[0] < len(rows) or t.shape[1] < n:
-            t = self.tables[i] = torch.empty(len(rows), max(2 * n, 256), dtype=torch.int64, pin_memory=True)
+        if t is None or t.shape[0] < len(rows) or t.shape[1] < n:  # 3 rows: a prefill table's addr, start, count
+            t = self.tables[i] = torch.empty(max(3, len(rows)), max(2 * n, 256), dtype=torch.int64, pin_memory=True)
         view = t[: len(rows), :n]
         view.numpy()[:] = rows
         return view
