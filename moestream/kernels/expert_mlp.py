@@ -102,14 +102,16 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
     hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
     bits, group, tiles = layout.bits, layout.group_size or 64, tile_addr.shape[0]
     h = torch.empty(entries.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
+    code_mask = (1 << (2 if bits == 3 else bits)) - 1 if bits < 16 else 0  # at run time: ptxas fuses it in a LOP3
     gate_up_kernel[(tiles, inter // cfg.bn_gate_up)](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
-        o["up_w"], o["up_h"], o["up_s"], o["up_b"], H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group, BM=cfg.bm,
-        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        o["up_w"], o["up_h"], o["up_s"], o["up_b"], code_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits,
+        GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
-        H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down, UNPACK=cfg.unpack,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        code_mask, H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down,
+        UNPACK=cfg.unpack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],

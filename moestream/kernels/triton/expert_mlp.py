@@ -23,7 +23,14 @@ def _affine(base, off_s, off_b, g, BITS: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.constexpr,
+def _as_float(codes):
+    """Small non-negative int32 codes as exact fp32 without int->float conversions (a quarter-rate or slower
+    instruction that bounded the Q4 prefill): 2**23 + q has q in its low mantissa bits."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.constexpr, BITS: tl.constexpr,
                  GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """A [BN, BK] tile (rows `rows`, columns k0..k0+BK) of an [N, K] weight, dequantized to fp32.
 
@@ -34,22 +41,21 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, K: tl.constexpr, BI
         ptr = (base + off_w).to(tl.pointer_type(tl.bfloat16))
         return tl.load(ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
     WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
-    PER: tl.constexpr = 32 // WBITS
-    MASK: tl.constexpr = (1 << WBITS) - 1
+    PER: tl.constexpr = 32 // WBITS  # `code_mask` = (1 << WBITS) - 1
     wptr = (base + off_w).to(tl.pointer_type(tl.int32))
     if UNPACK == 0 or BITS == 3:
         words = tl.load(wptr + rows[:, None] * (K // PER) + (cols[None, :] // PER))
-        codes = (words >> ((cols[None, :] % PER) * WBITS)) & MASK
+        codes = (words >> ((cols[None, :] % PER) * WBITS)) & code_mask
         if BITS == 3:
             hptr = (base + off_h).to(tl.pointer_type(tl.int32))
             high = tl.load(hptr + rows[:, None] * (K // 32) + cols[None, :] // 32)
             codes = codes | (((high >> (cols[None, :] % 32)) & 1) << 2)
         s, b = _affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + cols[None, :] // GROUP, BITS)
-        return codes.to(tl.float32) * s + b
+        return _as_float(codes) * s + b
     wcols = k0 // PER + tl.arange(0, BK // PER)
     words = tl.load(wptr + rows[:, None] * (K // PER) + wcols[None, :])  # [BN, BK / PER]
     shifts = tl.arange(0, PER) * BITS
-    codes = ((words[:, :, None] >> shifts[None, None, :]) & MASK).to(tl.float32)  # [BN, BK / PER, PER]
+    codes = _as_float((words[:, :, None] >> shifts[None, None, :]) & code_mask)  # [BN, BK / PER, PER]
     gcols = k0 // GROUP + tl.arange(0, BK // GROUP)
     scale, bias = _affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + gcols[None, :], BITS)
     w = tl.reshape(codes, (BN, BK // GROUP, GROUP)) * scale[:, :, None] + bias[:, :, None]
@@ -77,7 +83,7 @@ def _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM: tl.con
 
 @triton.jit
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
-                   off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub,
+                   off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, code_mask,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
@@ -90,9 +96,9 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
         x = x.to(x_ptr.dtype.element_ty)
-        g = _weight_tile(base, off_gw, off_gh, off_gs, off_gb, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
+        g = _weight_tile(base, off_gw, off_gh, off_gs, off_gb, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
         acc_g = tl.dot(x, tl.trans(g.to(x.dtype)), acc_g)
-        u = _weight_tile(base, off_uw, off_uh, off_us, off_ub, n, k0, H, BITS, GROUP, BN, BK, UNPACK)
+        u = _weight_tile(base, off_uw, off_uh, off_us, off_ub, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
         acc_u = tl.dot(x, tl.trans(u.to(x.dtype)), acc_u)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + pos[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=valid[:, None])
@@ -100,7 +106,7 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 
 @triton.jit
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
-                off_dw, off_dh, off_ds, off_db,
+                off_dw, off_dh, off_ds, off_db, code_mask,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
@@ -110,7 +116,7 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
     for k0 in range(0, I, BK):
         k = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + pos[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
-        d = _weight_tile(base, off_dw, off_dh, off_ds, off_db, n, k0, I, BITS, GROUP, BN, BK, UNPACK)
+        d = _weight_tile(base, off_dw, off_dh, off_ds, off_db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
         acc = tl.dot(h, tl.trans(d.to(h.dtype)), acc)
     tl.store(y_ptr + entry[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
 
