@@ -43,6 +43,7 @@ def _table() -> dict:
     return {}
 
 
+@functools.cache  # launches ask for it per batch; the table is read once per process
 def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
     key = f"{phase}/bits{layout.bits}/h{layout.hidden_size}/i{layout.intermediate_size}"
     # Q3/Q2 decode reads Q4's layout of words: without tiles of their own they take Q4's
@@ -61,6 +62,7 @@ def _fit(block: int, dim: int) -> int:
     return block if dim % block == 0 else dim
 
 
+@functools.cache
 def _offsets(layout: RecordLayout) -> dict:
     names = ("gate_w", "gate_h", "gate_s", "gate_b", "up_w", "up_h", "up_s", "up_b", "down_w", "down_h", "down_s",
              "down_b")
