@@ -241,7 +241,9 @@ class StreamingProvider(GraphMode):
         if waited > 1e-4:
             self.stats.at(layer, self.cfg.precision).io_wait_seconds += waited
         for s in slots:
-            self.device.wait_on_compute(self.pool.ready[s])
+            if self.pool.ready[s] is not None:  # once waited on, later compute is ordered after the copy
+                self.device.wait_on_compute(self.pool.ready[s])
+                self.pool.ready[s] = None
 
     def _done(self, slots: list[int]) -> None:
         done = self.device.event()
