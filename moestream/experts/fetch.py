@@ -86,7 +86,7 @@ class Fetcher:
         """One future per request, done once its copy is enqueued. Host-tier hits with nothing to wait for are
         enqueued here, at once (before a later request can evict their host slot); the rest go to the reader
         threads, which take the lock after this."""
-        futures, enqueued = [], Counter()
+        futures, enqueued, waited = [], Counter(), None
         with self.enqueue_lock, self.device.copy_context():
             for r in requests:
                 host_slot, host_wait, source = None, None, "disk"
@@ -95,7 +95,8 @@ class Fetcher:
                     source = "host" if hit else "disk"
                     host_wait = self.host.last_job[host_slot]
                 if source == "host" and _settled(r.wait_for) and _settled(host_wait):
-                    self._enqueue(r, self.host.views[host_slot])
+                    self._enqueue(r, self.host.views[host_slot], wait=r.dst_last_use is not waited)
+                    waited = r.dst_last_use  # a ring batch's slots share one: the stream waits once
                     self.host.copy_event[host_slot] = r.ready
                     enqueued[r.layer, r.precision] += 1
                     future = ENQUEUED
@@ -108,9 +109,10 @@ class Fetcher:
             self.stats.read(layer, precision, "host", n * self.readers[precision].stride, records=n)
         return futures
 
-    def _enqueue(self, r: FetchRequest, src: torch.Tensor) -> None:
+    def _enqueue(self, r: FetchRequest, src: torch.Tensor, wait: bool = True) -> None:
         """The copy of `src` into `r.dst` on the copy stream; the caller holds the lock and the stream."""
-        self.device.wait_on_copy(r.dst_last_use)
+        if wait:
+            self.device.wait_on_copy(r.dst_last_use)
         if r.started is not None:
             r.started.record(self.device.copy_stream)
         if not self.fake:
