@@ -74,20 +74,21 @@ def _traced(path: str | None):
 
 
 def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0,
-                 warm: bool = False, trace: str | None = None) -> list[dict]:
+                 warm: bool = False, trace: str | None = None, ring_group: int = 8) -> list[dict]:
     """With `warm`, each prompt runs once first so the host tier holds what the measured run misses; with
     `trace` (a folder), the measured run's timeline is saved there."""
     s = open_store(store)
     total_gb = s.manifest.geometry.num_records * s.manifest.layouts["q4"].stride / 1e9
     rows = []
     for frac in fracs:
-        llm = LLM(store, device="cuda", pool_gb=total_gb * frac, host_gb=host_gb, profile=True, preload=False)
+        llm = LLM(store, device="cuda", pool_gb=total_gb * frac, host_gb=host_gb, profile=True, preload=False,
+                  ring_group=ring_group)
         for n in lengths:
             ids = prompt(n, llm.config.vocab_size, seed=n)
             if warm:
                 llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
             start = time.perf_counter()
-            with _traced(trace and os.path.join(trace, f"prefill-{frac:g}-{n}.json")):
+            with _traced(trace and os.path.join(trace, f"prefill-{frac:g}-{n}-g{ring_group}.json")):
                 out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
             wall = time.perf_counter() - start
             e = out.stats["experts"]["q4"]
@@ -97,7 +98,8 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
             gpu_wall = sum(t["wall_s"] for t in timings)
             host = sum(t["host_s"] for t in timings)
             reads = {tier: e["reads"][tier]["bytes"] / 1e9 for tier in ("disk", "host")}
-            rows.append({"pool_frac": frac, "host_gb": host_gb, "prompt": n, "prefill_tok_s": n / wall, "seconds": wall,
+            rows.append({"pool_frac": frac, "host_gb": host_gb, "ring_group": ring_group, "prompt": n,
+                         "prefill_tok_s": n / wall, "seconds": wall,
                          "disk_gb": reads["disk"], "host_read_gb": reads["host"],
                          "copy_s": copy, "compute_s": compute, "expert_wall_s": gpu_wall, "host_s": host,
                          "io_wait_s": e["io_wait_seconds"], "ring_wait_s": e["ring_wait_seconds"],
@@ -119,6 +121,7 @@ def main() -> None:
     p.add_argument("--warm", action="store_true", help="run each prompt once before timing it")
     p.add_argument("--profile", action="store_true", help="break an eager decode step down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
+    p.add_argument("--ring-groups", default="8", help="prefill: experts per ring batch, one run each (e.g. 8,16)")
     args = p.parse_args()
     data, table = {}, []
     if args.decode:
@@ -126,10 +129,11 @@ def main() -> None:
         table += [["decode", r["mode"], f"{r['decode_tok_s']:.1f} tok/s", f"{r['ms_per_token']:.2f} ms/token", ""]
                   for r in data["decode"]]
     if args.prefill:
-        data["prefill"] = prefill_runs(args.store, [float(f) for f in args.fracs.split(",")],
-                                       [int(n) for n in args.lengths.split(",")], args.host_gb, args.warm,
-                                       out_dir("e2e") if args.trace else None)
-        table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens", f"{r['prefill_tok_s']:.0f} tok/s",
+        data["prefill"] = [r for group in args.ring_groups.split(",") for r in prefill_runs(
+            args.store, [float(f) for f in args.fracs.split(",")], [int(n) for n in args.lengths.split(",")],
+            args.host_gb, args.warm, out_dir("e2e") if args.trace else None, int(group))]
+        table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens, group {r['ring_group']}",
+                   f"{r['prefill_tok_s']:.0f} tok/s",
                    f"copy {r['copy_s']:.2f} s, compute {r['compute_s']:.2f} s, wall {r['expert_wall_s']:.2f} s, "
                    f"host {r['host_s']:.2f} s",
                    f"disk {r['disk_gb']:.1f} GB, host {r['host_read_gb']:.1f} GB"] for r in data["prefill"]]
