@@ -79,10 +79,11 @@ class StreamingProvider(GraphMode):
             jobs.append((j, slot, self.pool.pending[slot] if slot is not None else None))
         misses = [i for i, (_, slot, _) in enumerate(jobs) if slot is None]
         items = []
-        for i in misses:  # demand misses: fetched at the miss precision
+        for i in misses:  # demand misses: fetched at the miss precision, into distinct (pinned) slots
             rid = self.geometry.rid(layer, g.experts[jobs[i][0]])
-            items.append((rid, self.pool.allocate(rid)))
-            self.pool.pin(items[-1][1])
+            slot = self.pool.allocate(rid)
+            self.pool.pin(slot)
+            items.append((rid, slot))
         for i, (_, slot), future in zip(misses, items, self._fetch(layer, items, self.miss_precision)):
             jobs[i] = (jobs[i][0], slot, future)
         if self.cfg.lookahead:
