@@ -24,8 +24,8 @@ def _affine(base, off_s, off_b, g, BITS: tl.constexpr):
 
 @triton.jit
 def _as_float(codes):
-    """Small non-negative int32 codes as exact fp32 without int->float conversions (a quarter-rate or slower
-    instruction that bounded the Q4 prefill): 2**23 + q has q in its low mantissa bits."""
+    """Small non-negative int32 codes as exact fp32 without int->float conversions (slower than FFMA on
+    Hopper, and one per code in the prefill): 2**23 + q has q in its low mantissa bits."""
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
