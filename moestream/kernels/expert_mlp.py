@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -172,9 +173,14 @@ class TileTables:
         self.index = (self.index + 1) % len(self.tables)
 
 
-@functools.cache
+_local = threading.local()  # one set of tables per thread: a table is reserved from put() to launched()
+
+
 def _tables(device: torch.device) -> TileTables:
-    return TileTables(device.type == "cuda")
+    per_device = _local.__dict__.setdefault("tables", {})
+    if device not in per_device:
+        per_device[device] = TileTables(device.type == "cuda")
+    return per_device[device]
 
 
 @functools.cache
