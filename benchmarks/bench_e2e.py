@@ -16,6 +16,7 @@ import time
 import torch
 
 from benchmarks.common import out_dir, write
+from benchmarks.trace_summary import summarize
 from moestream.engine.llm import LLM
 from moestream.experts.store import open_store
 from moestream.sampling import SamplingParams
@@ -88,7 +89,8 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
             if warm:
                 llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
             start = time.perf_counter()
-            with _traced(trace and os.path.join(trace, f"prefill-{frac:g}-{n}-g{ring_group}.json")):
+            trace_path = trace and os.path.join(trace, f"prefill-{frac:g}-{n}-g{ring_group}.json")
+            with _traced(trace_path):
                 out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
             wall = time.perf_counter() - start
             e = out.stats["experts"]["q4"]
@@ -103,7 +105,7 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
                          "disk_gb": reads["disk"], "host_read_gb": reads["host"],
                          "copy_s": copy, "compute_s": compute, "expert_wall_s": gpu_wall, "host_s": host,
                          "io_wait_s": e["io_wait_seconds"], "ring_wait_s": e["ring_wait_seconds"],
-                         "per_layer": timings})
+                         "timeline": summarize(trace_path + ".gz") if trace_path else None, "per_layer": timings})
             print({k: v for k, v in rows[-1].items() if k != "per_layer"})
         llm.close()
         torch.cuda.empty_cache()
