@@ -12,39 +12,60 @@ from __future__ import annotations
 import torch
 
 from moestream.layers.attention import decode_attention, visible_positions
+from moestream.layers.hyper import HyperConnection
 from moestream.layers.moe import SparseMoE
 from moestream.models.base import CausalLM, SequenceState
 
-STATIC_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe")
+STATIC_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen4_exp")
 
 
 def supports_static_decode(model: CausalLM) -> bool:
-    return model.config.model_type in STATIC_TYPES
+    """qwen4_exp only without PLE layers (their rows are read on the host per token) and without indexed
+    attention (its block selection has no static form yet)."""
+    cfg = model.config
+    if cfg.model_type == "qwen4_exp":
+        return not cfg.ple_layer_ids and "indexed_attention" not in cfg.layer_types
+    return cfg.model_type in STATIC_TYPES
 
 
 def static_step(model: CausalLM, token: torch.Tensor, position: torch.Tensor, state: SequenceState,
                 addresses: torch.Tensor | None, routed: torch.Tensor | None = None) -> torch.Tensor:
     """token, position: [1] device tensors -> logits [1, vocab]; writes the caches at `position`, and with
-    `addresses` each MoE layer's expert ids into `routed` [num_moe_layers, top_k]."""
+    `addresses` each MoE layer's expert ids into `routed` [num_moe_layers, top_k]. With hyper-connections
+    (qwen4_exp) the residual is the streams and the hyper-connections stand where the norms do."""
     x = model.model.embed_tokens(token)
     rope = model.rotary.cos_sin(position, x.dtype)
+    hyper = model.config.model_type == "qwen4_exp"
+    streams = x.repeat(1, model.config.hc_count) if hyper else None
     visible = None  # computed once: the layers' caches grow alike, so their capacities agree
     for layer, layer_state in zip(model.model.layers, state.layers):
-        h = layer.input_layernorm(x)
+        if hyper:
+            h, weights = layer.attn_hyper_connection(streams)
+        else:
+            h = layer.input_layernorm(x)
         if layer.kind == "linear_attention":
-            x = x + layer.linear_attn(h, layer_state)
+            out = layer.linear_attn(h, layer_state)
         else:
             if visible is None or visible.shape[0] != layer_state.k.shape[0]:
                 visible = visible_positions(layer_state, position)
-            x = x + decode_attention(layer.self_attn, h, rope, position, layer_state, visible)
-        h = layer.post_attention_layernorm(x)
+            out = decode_attention(layer.self_attn, h, rope, position, layer_state, visible)
+        if hyper:
+            streams = HyperConnection.inject(streams, out, weights)
+            h, weights = layer.mlp_hyper_connection(streams)
+        else:
+            x = x + out
+            h = layer.post_attention_layernorm(x)
         if isinstance(layer.mlp, SparseMoE):
             slot = layer.mlp.layer_slot
             table = addresses[slot] if addresses is not None else None
-            x = x + layer.mlp(h, table, routed[slot] if routed is not None else None)
+            out = layer.mlp(h, table, routed[slot] if routed is not None else None)
         else:
-            x = x + layer.mlp(h)
-    return model.logits(model.model.norm(x))
+            out = layer.mlp(h)
+        if hyper:
+            streams = HyperConnection.inject(streams, out, weights)
+        else:
+            x = x + out
+    return model.logits(model.model.hyper_connection_mixer(streams)[0] if hyper else model.model.norm(x))
 
 
 class CudaDecoder:

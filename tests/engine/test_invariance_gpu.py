@@ -3,7 +3,7 @@
 import pytest
 
 from moestream.engine.llm import LLM
-from tests.engine.runs import greedy_trace, prompt_of
+from tests.engine.runs import greedy_trace, prompt_of, static_hyper_store
 from tests.engine.test_invariance import MODEL_TYPES, PROMPT, STEPS, _record_gb
 
 pytestmark = pytest.mark.gpu
@@ -20,9 +20,10 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_gpu_same_tokens_and_logits_for_every_setting(tiny, model_type):
-    store = tiny.store(model_type)
+@pytest.mark.parametrize("model_type", [*MODEL_TYPES, "qwen4_exp_static"])
+def test_gpu_same_tokens_and_logits_for_every_setting(tiny, tmp_path, model_type):
+    # qwen4_exp's tiny model has PLE and indexed attention (eager decode); "qwen4_exp_static" has neither
+    store = static_hyper_store(str(tmp_path / "s")) if model_type == "qwen4_exp_static" else tiny.store(model_type)
     reference, lines = None, []
     for setting in SETTINGS:
         s = dict(setting)
