@@ -16,7 +16,7 @@ def _model(run: dict) -> str:
 
 
 def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.1f}"
+    return "-" if x is None else f"{x:,.2f}" if x < 10 else f"{x:,.1f}"
 
 
 def table(runs: list[dict], model: str) -> list[str]:
