@@ -55,10 +55,9 @@ def stage_stores(args) -> None:
     free = os.statvfs("/tmp").f_bavail * os.statvfs("/tmp").f_frsize - g.num_records * low_bit - 8e9
     per_layer = 512 * RecordLayout.build("q4", 2560, 640).stride  # qwen3.8-flash-next records per layer
     layers = max(4, min(48, int(free // per_layer) // 4 * 4))
-    if not existing(STORES["qwen3.8-flash-next"]):
-        build(STORES["qwen3.8-flash-next"], "qwen3.8-flash-next", layers=layers, skew=args.skew)
-    layers = existing(STORES["qwen3.8-flash-next"]).geometry.num_layers
-    print(f"stores ready: qwen3-30b (48 layers), qwen3.8-flash-next ({layers} layers)")
+    nxt = existing(STORES["qwen3.8-flash-next"]) or build(STORES["qwen3.8-flash-next"], "qwen3.8-flash-next",
+                                                         layers=layers, skew=args.skew)
+    print(f"stores ready: qwen3-30b ({g.num_layers} layers), qwen3.8-flash-next ({nxt.geometry.num_layers} layers)")
 
 
 def _bound(scenario: dict, lim: dict) -> float:

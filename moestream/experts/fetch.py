@@ -163,7 +163,7 @@ class Fetcher:
             if wait is not None:
                 wait.result(timeout=self.device.timeout_s)
             reader = self.readers[precision]
-            seconds = 0.0 if self.fake else reader.read(rid, self.host.buffer[slot][: reader.stride])
+            seconds = 0.0 if self.fake else reader.read(rid, self.host.views[slot][: reader.stride])
             self.stats.read(layer, precision, "disk", reader.stride, seconds)
 
         future = self.pool.submit(job)

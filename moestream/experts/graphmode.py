@@ -22,12 +22,14 @@ class GraphMode:
             return None
         futures = []
         for layer in range(g.num_layers):
+            items = []  # pool slots for this layer's records (distinct: the pool holds the whole model)
             for e in range(g.num_experts):
                 rid = g.rid(layer, e)
                 if where == "pool" and self.pool.lookup(rid) is None:
-                    futures += self._fetch(layer, [(rid, self.pool.allocate(rid))], precision)
+                    items.append((rid, self.pool.allocate(rid)))
                 elif where == "host" and self.host.lookup((precision, rid)) is None:
                     futures.append(self.fetcher.fill_host(rid, precision, layer))
+            futures += self._fetch(layer, items, precision) if items else []
             if on_progress:
                 on_progress(layer + 1, g.num_layers)
         for f in futures:

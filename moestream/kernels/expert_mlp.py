@@ -123,23 +123,21 @@ def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: Rec
 
     Prefill tiles cover up to `bm` entries of one expert. Decode tiles hold one entry each, exactly as
     in graph mode, so a decode step computes the same bits whether or not it went through the host."""
-    base, stride = buffer.data_ptr(), buffer.stride(0)
+    base, stride, tables = buffer.data_ptr(), buffer.stride(0), _tables(x.device)
     if phase == "decode":  # one tile per entry, in `order`: the entries themselves index the tiles
         addr = [base + slot * stride for j, slot in enumerate(slots) for _ in range(offsets[j], offsets[j + 1])]
-        table = _tables(x.device).put([addr])
-        launch_decode(x, out, order, table[0], layout, top_k)
-        _tables(x.device).launched()
-        return
-    bm = tile_config(phase, layout).bm
-    addr, start, count = [], [], []
-    for j, slot in enumerate(slots):
-        for m0 in range(offsets[j], offsets[j + 1], bm):
-            addr.append(base + slot * stride)
-            start.append(m0)
-            count.append(min(bm, offsets[j + 1] - m0))
-    meta = _tables(x.device).put([addr, start, count])
-    launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k)
-    _tables(x.device).launched()
+        launch_decode(x, out, order, tables.put([addr])[0], layout, top_k)
+    else:
+        bm = tile_config(phase, layout).bm
+        addr, start, count = [], [], []
+        for j, slot in enumerate(slots):
+            for m0 in range(offsets[j], offsets[j + 1], bm):
+                addr.append(base + slot * stride)
+                start.append(m0)
+                count.append(min(bm, offsets[j + 1] - m0))
+        meta = tables.put([addr, start, count])
+        launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k)
+    tables.launched()
 
 
 class TileTables:
@@ -177,10 +175,11 @@ _local = threading.local()  # one set of tables per thread: a table is reserved 
 
 
 def _tables(device: torch.device) -> TileTables:
-    per_device = _local.__dict__.setdefault("tables", {})
-    if device not in per_device:
-        per_device[device] = TileTables(device.type == "cuda")
-    return per_device[device]
+    if not hasattr(_local, "by_device"):
+        _local.by_device = {}
+    if device not in _local.by_device:
+        _local.by_device[device] = TileTables(device.type == "cuda")
+    return _local.by_device[device]
 
 
 @functools.cache

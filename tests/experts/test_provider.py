@@ -150,3 +150,19 @@ def test_prefill_keeps_each_layers_share_across_requests(tiny):
         assert second["hits"] >= layers * share - 1
     finally:
         llm.close()
+
+
+def test_preload_puts_every_record_where_it_stays(tiny):
+    """Preloading fills the pool (or the host tier) with every record, so a request misses nothing."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", preload=True)
+    try:
+        assert llm.provider.pool.resident == llm.provider.geometry.num_records
+        out = llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=4))[0].stats["experts"]["q4"]
+        assert out["misses"] == 0 and out["reads"]["disk"]["records"] == 0
+    finally:
+        llm.close()
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", preload=True, pool_gb=2 * STRIDE / 1e9, host_gb=0.01)
+    try:
+        assert len(llm.provider.host.slot_of) == llm.provider.geometry.num_records
+    finally:
+        llm.close()
