@@ -51,9 +51,17 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
     fallback = _table().get(f"{phase}/bits4") if phase == "decode" and layout.bits < 4 else None
     entry = _table().get(key) or _table().get(f"{phase}/bits{layout.bits}") or fallback
     cfg = TileConfig(**entry) if entry else DEFAULTS[phase]
-    # Tiles must divide the matrix: fall back to the largest power of two that does.
-    return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, layout.intermediate_size), _fit(cfg.bk_gate_up, layout.hidden_size),
-                      _fit(cfg.bn_down, layout.hidden_size), _fit(cfg.bk_down, layout.intermediate_size),
+    return fitted(cfg, phase, layout)
+
+
+def fitted(cfg: TileConfig, phase: str, layout: RecordLayout) -> TileConfig:
+    """Output tiles must divide the matrix (and prefill's K tiles too; decode masks its last K chunk): fall back
+    to the largest power of two that does."""
+    hidden, inter = layout.hidden_size, layout.intermediate_size
+    bk_gate_up, bk_down = cfg.bk_gate_up, cfg.bk_down
+    if phase == "prefill":
+        bk_gate_up, bk_down = _fit(bk_gate_up, hidden), _fit(bk_down, inter)
+    return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, inter), bk_gate_up, _fit(cfg.bn_down, hidden), bk_down,
                       cfg.num_warps, cfg.num_stages, cfg.unpack)
 
 

@@ -151,3 +151,26 @@ def test_prefill_with_tiles_of_256_rows():
     reference.expert_group(x, buf, [0, 1], layout, [0, rows, 2 * rows], order, top_k, want)
     assert not torch.isnan(out).any()
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_decode_chunks_past_k(precision, stages):
+    """Decode K chunks need not divide K: a partial last chunk (192 = 128 + 64) and one chunk wider than K
+    (64 < 256) read zeros past the end."""
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(5)
+    layout = RecordLayout.build(precision, 192, 64)
+    buf = make_buffer(layout, 2, gen)
+    x = torch.randn(2, 192, generator=gen).to(DEVICE, DTYPE)
+    entries = torch.arange(2, device=DEVICE)
+    addr = torch.tensor([buf[0].data_ptr(), buf[1].data_ptr()], device=DEVICE)
+    out = torch.full((2, 192), float("nan"), dtype=DTYPE, device=DEVICE)
+    expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=TileConfig(1, 16, 128, 32, 256, 2, stages))
+    want = torch.empty(2, 192, dtype=DTYPE, device=DEVICE)
+    for i in range(2):
+        reference.expert_group(x, buf, [i], layout, [0, 1], entries[i:i + 1], 1, want)
+    assert not torch.isnan(out).any()
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2

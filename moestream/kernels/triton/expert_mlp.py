@@ -11,10 +11,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _affine(base, off_s, off_b, g, BITS: tl.constexpr):
-    """Scale and bias at group indices `g`; Q3/Q2 codes (derived from Q4) sit at their bins' midpoints."""
-    s = tl.load((base + off_s).to(tl.pointer_type(tl.bfloat16)) + g).to(tl.float32)
-    b = tl.load((base + off_b).to(tl.pointer_type(tl.bfloat16)) + g).to(tl.float32)
+def _affine(base, off_s, off_b, g, BITS: tl.constexpr, live=None):
+    """Scale and bias at group indices `g` (zeros where not `live`); Q3/Q2 codes (derived from Q4) sit at their
+    bins' midpoints."""
+    if live is None:
+        s = tl.load((base + off_s).to(tl.pointer_type(tl.bfloat16)) + g).to(tl.float32)
+        b = tl.load((base + off_b).to(tl.pointer_type(tl.bfloat16)) + g).to(tl.float32)
+    else:
+        s = tl.load((base + off_s).to(tl.pointer_type(tl.bfloat16)) + g, mask=live, other=0).to(tl.float32)
+        b = tl.load((base + off_b).to(tl.pointer_type(tl.bfloat16)) + g, mask=live, other=0).to(tl.float32)
     if BITS < 4:
         m: tl.constexpr = 1 << (4 - BITS)
         b = b + s * ((m - 1) / 2)
@@ -132,18 +137,18 @@ def _field(w, SHIFT: tl.constexpr, mask):
 
 @triton.jit
 def _gemv_load(base, off_w, off_h, n, k0, K: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr):
-    """The weight bits of columns k0..k0+BK of rows n, zeros past K: bf16 values [BN, BK], or code words
-    [BN, BK // PER] and Q3's high-bit half-words (the words again when there are none)."""
-    live = k0 < K
+    """The weight bits of columns k0..k0+BK of rows n, zeros past K (so BK need not divide K): bf16 values
+    [BN, BK], or code words [BN, BK // PER] and Q3's high-bit half-words (the words again when there are none)."""
     if BITS == 16:
         k = k0 + tl.arange(0, BK)
-        words = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :], mask=live,
-                        other=0)
+        words = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :],
+                        mask=k[None, :] < K, other=0)
         high = words
     else:
         WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
         PER: tl.constexpr = 32 // WBITS
         wc = k0 // PER + tl.arange(0, BK // PER)
+        live = wc[None, :] < K // PER
         words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None] * (K // PER) + wc[None, :],
                         mask=live, other=0)
         if BITS == 3:  # the high bits of word wc's 16 codes are 16-bit word wc of the `_h` plane (little-endian)
@@ -160,10 +165,46 @@ def _gemv_acc(acc, words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, 
     """acc += W[n, k] * v[k] over columns k0..k0+BK from `_gemv_load`'s bits: [BN, BK] products for bf16,
     per-group sums for codes."""
     if BITS == 16:
-        acc += words.to(tl.float32) * tl.load(vec_ptr + k0 + tl.arange(0, BK)).to(tl.float32)[None, :]
+        k = k0 + tl.arange(0, BK)
+        acc += words.to(tl.float32) * tl.load(vec_ptr + k, mask=k < K, other=0).to(tl.float32)[None, :]
     else:
         acc += _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K, BITS, GROUP, BN, BK)
     return acc
+
+
+@triton.jit
+def _position(c: tl.constexpr, BITS: tl.constexpr):
+    """(shift, mantissa bit) for code c of a word in `_placed`: codes already in the window [LOW, TOP] stay;
+    the others go in runs of RUN codes, one shift of the word per run."""
+    TOP: tl.constexpr = 23 - BITS
+    LOW: tl.constexpr = TOP - 8  # the code's 2**e is at most 2**8: ~2**-15 of the term is left after it cancels
+    RUN: tl.constexpr = (TOP - LOW) // BITS + 1
+    FIRST: tl.constexpr = (LOW + BITS - 1) // BITS  # the codes FIRST..LAST sit in the window unshifted
+    LAST: tl.constexpr = TOP // BITS
+    if c < FIRST:  # runs counted down from FIRST - 1, each run's last code at TOP
+        SHIFT: tl.constexpr = TOP - BITS * (FIRST - 1 - (FIRST - 1 - c) // RUN * RUN)
+    elif c <= LAST:
+        SHIFT: tl.constexpr = 0
+    else:  # runs counted up from LAST + 1, each run's first code at LOW
+        SHIFT: tl.constexpr = LOW - BITS * (LAST + 1 + (c - LAST - 1) // RUN * RUN)
+    return SHIFT, BITS * c + SHIFT
+
+
+@triton.jit
+def _placed(words, c: tl.constexpr, BITS: tl.constexpr, field_mask):
+    """Code c of each word as the fp32 2**e + q / 2**BITS (e = 23 - BITS - p for the code's mantissa bit p, so
+    every code weighs the same) with no int->float conversion; shared shifts serve several codes (`_position`).
+    `field_mask` (the code mask at bits TOP..) arrives at run time so that ptxas fuses mask and exponent."""
+    SHIFT, P = _position(c, BITS)
+    bits = _field(words, SHIFT, field_mask >> (23 - BITS - P))  # shifted right: LLVM learns nothing of its bits
+    return (bits | ((127 + 23 - BITS - P) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _offset_of(c: tl.constexpr, BITS: tl.constexpr):
+    """2**e of code c in `_placed`: what sum(f v) carries beyond sum(q v) / 2**BITS."""
+    SHIFT, P = _position(c, BITS)
+    return (1 << (23 - BITS - P)) * 1.0
 
 
 @triton.jit
@@ -171,36 +212,40 @@ def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: t
                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """[BN, BK // GROUP] per-group sums of W[n, k] * v[k] over columns k0..k0+BK.
 
-    Codes become floats without int->float conversions: a code moved into the top mantissa bits of 1.0
-    reads as f = 1 + q / 2**BITS, so sum(q v) = 2**BITS * (sum(f v) - sum(v)); scale and bias then apply
-    once per group. `field_mask` arrives at run time so that ptxas fuses the mask and the OR of 1.0."""
+    Codes become floats without int->float conversions (`_placed`, and Q3's high bit OR'ed into the top
+    mantissa bits of 1.0); scale and bias then apply once per group."""
     WBITS: tl.constexpr = 2 if BITS == 3 else BITS
     PER: tl.constexpr = 32 // WBITS
     BKW: tl.constexpr = BK // PER
     wc = k0 // PER + tl.arange(0, BKW)
+    live = wc < K // PER
     pairs = vec_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     dot = tl.zeros((BN, BKW), dtype=tl.float32)
     vsum = tl.zeros((BKW,), dtype=tl.float32)
+    offset = tl.zeros((BKW,), dtype=tl.float32)  # sum of 2**e v: what sum(f v) holds beyond sum(q v) / 2**BITS
     for c in tl.static_range(PER):
         if vec_ptr.dtype.element_ty == tl.bfloat16:  # two values per 32-bit load
             if c % 2 == 0:
-                pair = tl.load(pairs + (wc * PER + c) // 2)
+                pair = tl.load(pairs + (wc * PER + c) // 2, mask=live, other=0)
                 v = (pair << 16).to(tl.float32, bitcast=True)
             else:
                 v = (pair & -65536).to(tl.float32, bitcast=True)
         else:
-            v = tl.load(vec_ptr + wc * PER + c).to(tl.float32)
-        f = _field(words, 23 - BITS - c * WBITS, field_mask)
+            v = tl.load(vec_ptr + wc * PER + c, mask=live, other=0).to(tl.float32)
         if BITS == 3:
-            f = f | _field(high, 22 - c, 1 << 22)
-        dot += (f | 0x3F800000).to(tl.float32, bitcast=True) * v[None, :]
+            f = _field(words, 23 - BITS - c * WBITS, field_mask) | _field(high, 22 - c, 1 << 22)
+            dot += (f | 0x3F800000).to(tl.float32, bitcast=True) * v[None, :]  # f = 1 + q / 8
+        else:
+            dot += _placed(words, c, BITS, field_mask) * v[None, :]
+            offset += v * _offset_of(c, BITS)
         vsum += v
     G: tl.constexpr = BK // GROUP
     dot = tl.sum(tl.reshape(dot, (BN, G, GROUP // PER)), axis=2)
     vsum = tl.sum(tl.reshape(vsum, (G, GROUP // PER)), axis=1)
-    s, b = _affine(base, off_s, off_b, n[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, G)[None, :], BITS)
-    s = s * (1 << BITS)
-    return s * dot + (b - s) * vsum[None, :]
+    offset = vsum if BITS == 3 else tl.sum(tl.reshape(offset, (G, GROUP // PER)), axis=1)
+    g = k0 // GROUP + tl.arange(0, G)
+    s, b = _affine(base, off_s, off_b, n[:, None] * (K // GROUP) + g[None, :], BITS, g[None, :] < K // GROUP)
+    return s * (1 << BITS) * (dot - offset[None, :]) + b * vsum[None, :]
 
 
 @triton.jit
