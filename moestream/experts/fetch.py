@@ -51,9 +51,8 @@ class StagingPool:
 
 @dataclass(frozen=True, slots=True)
 class FetchRequest:
-    """Fill `dst` (a device slot) with record `rid`; `ready` is recorded on the copy stream after the copy.
-    `dst_last_use`: the compute event after the slot's last reader; `wait_for`: an earlier fetch into the same
-    slot that must land first; `started`: recorded before the copy when profiling."""
+    """Fill `dst` (a device slot) with record `rid`. `dst_last_use`: the compute event after the slot's last
+    reader; `wait_for`: an earlier fetch into the same slot that must land first."""
 
     rid: int
     precision: str
@@ -61,8 +60,6 @@ class FetchRequest:
     dst: torch.Tensor
     dst_last_use: object
     wait_for: Future | None
-    ready: object
-    started: object = None
 
 
 ENQUEUED = Future()  # the future of a copy the caller enqueued itself
@@ -82,11 +79,12 @@ class Fetcher:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-read")
         self.enqueue_lock = threading.Lock()
 
-    def fetch(self, requests: list[FetchRequest]) -> list[Future]:
-        """One future per request, done once its copy is enqueued. Host-tier hits with nothing to wait for are
-        enqueued here, at once (before a later request can evict their host slot); the rest go to the reader
-        threads, which take the lock after this."""
-        futures, enqueued, waited = [], Counter(), None
+    def fetch(self, requests: list[FetchRequest], events) -> list[tuple[Future, object]]:
+        """(future, ready event) per request: the future is done once the copy is enqueued, the event (from
+        `events() -> (started or None, ready)`) is recorded on the copy stream after it. Host-tier hits with
+        nothing to wait for are enqueued here, at once (before a later request can evict their host slot), and a
+        run of them shares one event; the rest go to the reader threads, which take the lock after this."""
+        out, enqueued, waited, run = [], Counter(), None, None
         with self.enqueue_lock, self.device.copy_context():
             for r in requests:
                 host_slot, host_wait, source = None, None, "disk"
@@ -95,35 +93,51 @@ class Fetcher:
                     source = "host" if hit else "disk"
                     host_wait = self.host.last_job[host_slot]
                 if source == "host" and _settled(r.wait_for) and _settled(host_wait):
-                    self._enqueue(r, self.host.views[host_slot], wait=r.dst_last_use is not waited)
-                    waited = r.dst_last_use  # a ring batch's slots share one: the stream waits once
-                    self.host.copy_event[host_slot] = r.ready
+                    if r.dst_last_use is not waited:  # a ring batch's slots share one: the stream waits once
+                        self.device.wait_on_copy(r.dst_last_use)
+                        waited = r.dst_last_use
+                    if run is None:
+                        run = self._start(events)
+                    self._copy(r, self.host.views[host_slot])
+                    self.host.copy_event[host_slot] = run[1]
                     enqueued[r.layer, r.precision] += 1
-                    future = ENQUEUED
+                    future, ready = ENQUEUED, run[1]
                 else:
-                    future = self.pool.submit(self._job, r, source, host_slot, host_wait)
+                    # a reader may overwrite a host slot this run copies from: the run's event first
+                    run = self._finish(run)
+                    started, ready = events()
+                    future = self.pool.submit(self._job, r, source, host_slot, host_wait, started, ready)
                 if host_slot is not None:
                     self.host.last_job[host_slot] = future
-                futures.append(future)
+                out.append((future, ready))
+            self._finish(run)
         for (layer, precision), n in enqueued.items():
             self.stats.read(layer, precision, "host", n * self.readers[precision].stride, records=n)
-        return futures
+        return out
 
-    def _enqueue(self, r: FetchRequest, src: torch.Tensor, wait: bool = True) -> None:
-        """The copy of `src` into `r.dst` on the copy stream; the caller holds the lock and the stream."""
-        if wait:
-            self.device.wait_on_copy(r.dst_last_use)
-        if r.started is not None:
-            r.started.record(self.device.copy_stream)
+    def _start(self, events) -> tuple:
+        """A run of copies enqueued back to back, timed from its `started` event when profiling."""
+        run = events()
+        if run[0] is not None:
+            run[0].record(self.device.copy_stream)
+        return run
+
+    def _finish(self, run: tuple | None) -> None:
+        if run is not None:
+            run[1].record(self.device.copy_stream)
+
+    def _copy(self, r: FetchRequest, src: torch.Tensor) -> None:
+        """The copy of `src` into `r.dst` on the copy stream; the caller holds the lock and the stream, and has
+        made the stream wait for the slot's last reader."""
         if not self.fake:
             stride = self.readers[r.precision].stride  # a low-bit record fills only the front of a slot
             if stride == r.dst.shape[0] == src.shape[0]:
                 r.dst.copy_(src, non_blocking=True)
             else:
                 r.dst[:stride].copy_(src[:stride], non_blocking=True)
-        r.ready.record(self.device.copy_stream)
 
-    def _job(self, r: FetchRequest, source: str, host_slot: int | None, host_wait: Future | None) -> None:
+    def _job(self, r: FetchRequest, source: str, host_slot: int | None, host_wait: Future | None, started,
+             ready) -> None:
         timeout = self.device.timeout_s
         for earlier in (r.wait_for, host_wait):
             if earlier is not None:
@@ -145,11 +159,15 @@ class Fetcher:
             self.stats.read(r.layer, r.precision, "host", stride)
         # One enqueue at a time: each copy's wait, start and ready events stay contiguous on the stream.
         with self.enqueue_lock, self.device.copy_context():
-            self._enqueue(r, buf)
+            self.device.wait_on_copy(r.dst_last_use)
+            if started is not None:
+                started.record(self.device.copy_stream)
+            self._copy(r, buf)
+            ready.record(self.device.copy_stream)
         if host_slot is not None:
-            self.host.copy_event[host_slot] = r.ready
+            self.host.copy_event[host_slot] = ready
         else:
-            self.staging.release(staging, r.ready)
+            self.staging.release(staging, ready)
         if waited:
             with self.stats.lock:
                 self.stats.at(r.layer, r.precision).ring_wait_seconds += waited

@@ -34,26 +34,21 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
 @dataclass(frozen=True)
 class ExpertBatch:
     """Experts ready to compute: their records sit in `buffer[slots[j]]`; expert j owns the flat routing
-    entries `order[offsets[j]:offsets[j+1]]`. The consumer may read the buffer as soon as it gets the
-    batch (the provider has made the compute stream wait for the copies)."""
+    entries `order[spans[j][0]:spans[j][1]]` (`order` is the whole step's grouping, so a batch costs no
+    gather). The consumer may read the buffer as soon as it gets the batch (the provider has made the compute
+    stream wait for the copies)."""
 
     buffer: torch.Tensor  # [num_slots, stride] uint8
     layout: RecordLayout
     experts: list[int]
     slots: list[int]
-    offsets: list[int]
+    spans: list[tuple[int, int]]
     order: torch.Tensor
 
 
 def batch_of(grouping: Grouping, index: list[int], buffer: torch.Tensor, layout: RecordLayout,
              slots: list[int]) -> ExpertBatch:
     """The sub-batch of `grouping` made of experts at positions `index`, with their slots."""
-    if index == list(range(len(grouping.experts))):
-        return ExpertBatch(buffer, layout, grouping.experts, slots, grouping.offsets, grouping.order)
-    parts, offsets = [], [0]
-    for j in index:
-        a, b = grouping.offsets[j], grouping.offsets[j + 1]
-        parts.append(grouping.order[a:b])
-        offsets.append(offsets[-1] + b - a)
-    order = torch.cat(parts) if len(parts) != 1 else parts[0]
-    return ExpertBatch(buffer, layout, [grouping.experts[j] for j in index], slots, offsets, order)
+    spans = [(grouping.offsets[j], grouping.offsets[j + 1]) for j in index]
+    return ExpertBatch(buffer, layout, [grouping.experts[j] for j in index], slots, spans, grouping.order)
+

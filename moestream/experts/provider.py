@@ -151,8 +151,6 @@ class StreamingProvider(GraphMode):
                 slot = self.pool.ring_slot(len(ring_jobs))
                 ring_jobs.append((j, rid, slot))
             slots[j] = slot
-        for (j, _, _), f in zip(fills, self._fetch(layer, [(r, s) for _, r, s in fills], self.cfg.precision)):
-            waits[j] = f
         # Residents already in place compute first, in one batch, while the copies stream; the rest follow
         # in expert order, `ring_group` at a time (a batch's composition never changes a row's arithmetic).
         fetched = {j for j, _, _ in fills + ring_jobs}
@@ -161,20 +159,26 @@ class StreamingProvider(GraphMode):
         group, ring = self.cfg.ring_group, self.pool.ring_slots
         batches = ([present] if present else []) + [rest[i: i + group] for i in range(0, len(rest), group)]
         batch_of_job = {j: b for b, idx in enumerate(batches) for j in idx}
-        # A ring job reuses the slot of ring job r - RING; it may start once that job's batch is done.
-        gate = [batch_of_job[ring_jobs[r - ring][0]] if r >= ring else -1 for r in range(len(ring_jobs))]
+        # Each batch's fetches go out together (one copy event a batch: the seed's fetched[b]). A ring job
+        # reuses the slot of ring job r - RING, so its batch may start once that job's batch is done.
+        fills_of, ring_of, gate = [[] for _ in batches], [[] for _ in batches], [-1] * len(batches)
+        for j, rid, slot in fills:
+            fills_of[batch_of_job[j]].append((j, rid, slot))
+        for r, (j, rid, slot) in enumerate(ring_jobs):
+            b = batch_of_job[j]
+            ring_of[b].append((j, rid, slot))
+            gate[b] = max(gate[b], batch_of_job[ring_jobs[r - ring][0]] if r >= ring else -1)
         submitted = 0
 
         def submit_ready(done_batch: int) -> None:
             nonlocal submitted
-            start = submitted
-            while submitted < len(ring_jobs) and gate[submitted] <= done_batch:
+            while submitted < len(batches) and gate[submitted] <= done_batch:
+                for jobs, precision, is_ring in ((fills_of[submitted], self.cfg.precision, False),
+                                                 (ring_of[submitted], self.miss_precision, True)):
+                    items = [(rid, slot) for _, rid, slot in jobs]
+                    for (j, _, _), f in zip(jobs, self._fetch(layer, items, precision, ring=is_ring) if jobs else ()):
+                        waits[j] = f
                 submitted += 1
-            jobs = ring_jobs[start:submitted]
-            if jobs:
-                items = [(r, s) for _, r, s in jobs]
-                for (j, _, _), f in zip(jobs, self._fetch(layer, items, self.miss_precision, ring=True)):
-                    waits[j] = f
 
         submit_ready(-1)
         for b, idx in enumerate(batches):
@@ -218,19 +222,19 @@ class StreamingProvider(GraphMode):
         """Fetch records into distinct slots, `items` = [(record id, slot)]; one future per item."""
         if not ring:
             self._table_state = None  # residency changes: graph-mode addresses must be rebuilt
-        requests = []
-        for rid, slot in items:
-            started, ready = self.profiler.copy_events(self.device)
-            ready = ready or self.device.event()
-            requests.append(FetchRequest(rid, precision, layer, self.pool.views[slot], self.pool.last_use[slot],
-                                         self.pool.pending[slot], ready, started))
-            self.pool.ready[slot], self.pool.precision_of[slot] = ready, precision
+        requests = [FetchRequest(rid, precision, layer, self.pool.views[slot], self.pool.last_use[slot],
+                                 self.pool.pending[slot]) for rid, slot in items]
+        fetched = self.fetcher.fetch(requests, self._copy_events)
+        for (rid, slot), (future, ready) in zip(items, fetched):
+            self.pool.pending[slot], self.pool.ready[slot], self.pool.precision_of[slot] = future, ready, precision
             if ring:
                 self.pool.rid_of[slot] = rid
-        futures = self.fetcher.fetch(requests)
-        for (_, slot), future in zip(items, futures):
-            self.pool.pending[slot] = future
-        return futures
+        return [future for future, _ in fetched]
+
+    def _copy_events(self) -> tuple:
+        """(started, ready) for a copy or a run of copies; `started` only when profiling this layer."""
+        started, ready = self.profiler.copy_events(self.device)
+        return started, ready or self.device.event()
 
     def _wait(self, layer: int, slots: list[int], futures: list) -> None:
         """Block until the fetches are enqueued, then make the compute stream wait for their copies."""
@@ -241,9 +245,13 @@ class StreamingProvider(GraphMode):
         waited = time.perf_counter() - start
         if waited > 1e-4:
             self.stats.at(layer, self.cfg.precision).io_wait_seconds += waited
+        waited_on = None
         for s in slots:
-            if self.pool.ready[s] is not None:  # once waited on, later compute is ordered after the copy
-                self.device.wait_on_compute(self.pool.ready[s])
+            ready = self.pool.ready[s]
+            if ready is not None:  # once waited on, later compute is ordered after the copy
+                if ready is not waited_on:  # a run of copies shares one event
+                    self.device.wait_on_compute(ready)
+                    waited_on = ready
                 self.pool.ready[s] = None
 
     def _done(self, slots: list[int]) -> None:

@@ -125,27 +125,35 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
         UNPACK=cfg.unpack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],
-            order: torch.Tensor, top_k: int, out: torch.Tensor, phase: str) -> None:
-    """Streaming mode: expert j (record in `buffer[slots[j]]`) owns order[offsets[j]:offsets[j+1]].
+def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
+            spans: list[tuple[int, int]], order: torch.Tensor, top_k: int, out: torch.Tensor, phase: str) -> None:
+    """Streaming mode: expert j (record in `buffer[slots[j]]`) owns order[spans[j][0]:spans[j][1]].
 
-    Prefill tiles cover up to `bm` entries of one expert. Decode tiles hold one entry each, exactly as
-    in graph mode, so a decode step computes the same bits whether or not it went through the host."""
+    Prefill tiles cover up to `bm` entries of one expert, found in `order` where they are. Decode tiles hold
+    one entry each, exactly as in graph mode, so a decode step computes the same bits whether or not it went
+    through the host."""
     base, stride, tables = buffer.data_ptr(), buffer.stride(0), _tables(x.device)
-    if phase == "decode":  # one tile per entry, in `order`: the entries themselves index the tiles
-        addr = [base + slot * stride for j, slot in enumerate(slots) for _ in range(offsets[j], offsets[j + 1])]
-        launch_decode(x, out, order, tables.put([addr])[0], layout, top_k)
+    if phase == "decode":  # one tile per entry: the entries, back to back, index the tiles
+        addr = [base + slot * stride for (a, b), slot in zip(spans, slots) for _ in range(a, b)]
+        launch_decode(x, out, _gathered(spans, order), tables.put([addr])[0], layout, top_k)
     else:
         bm = tile_config(phase, layout).bm
         addr, start, count = [], [], []
-        for j, slot in enumerate(slots):
-            for m0 in range(offsets[j], offsets[j + 1], bm):
+        for (a, b), slot in zip(spans, slots):
+            for m0 in range(a, b, bm):
                 addr.append(base + slot * stride)
                 start.append(m0)
-                count.append(min(bm, offsets[j + 1] - m0))
+                count.append(min(bm, b - m0))
         meta = tables.put([addr, start, count])
         launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k)
     tables.launched()
+
+
+def _gathered(spans: list[tuple[int, int]], order: torch.Tensor) -> torch.Tensor:
+    """The entries of `spans` back to back (a view when the spans are contiguous)."""
+    if all(a == end for (a, _), (_, end) in zip(spans[1:], spans)):
+        return order[spans[0][0]: spans[-1][1]]
+    return torch.cat([order[a:b] for a, b in spans])
 
 
 class TileTables:

@@ -57,15 +57,16 @@ def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype)
     return reference.route(logits, top_k, normalise, dtype)
 
 
-def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout, offsets: list[int],
-                 order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
-    """Unweighted outputs of experts `slots` over their routing entries into `out` [T * top_k, H]."""
+def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
+                 spans: list[tuple[int, int]], order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
+    """Unweighted outputs of experts `slots` over their routing entries order[a:b] (`spans`) into `out`
+    [T * top_k, H]."""
     if use_triton(x.device):
         from moestream.kernels import expert_mlp
 
-        expert_mlp.grouped(x, buffer, slots, layout, offsets, order, top_k, out, expert_phase(x.shape[0]))
+        expert_mlp.grouped(x, buffer, slots, layout, spans, order, top_k, out, expert_phase(x.shape[0]))
     else:
-        reference.expert_group(x, buffer, slots, layout, offsets, order, top_k, out)
+        reference.expert_group(x, buffer, slots, layout, spans, order, top_k, out)
 
 
 def expert_entries(x: torch.Tensor, addresses: torch.Tensor, layout: RecordLayout, top_k: int,

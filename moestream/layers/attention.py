@@ -46,11 +46,16 @@ class KVCache:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, Hq, D] (the last T of L positions); k, v [L, Hkv, D] -> [T, Hq, D]."""
     t, length = q.shape[0], k.shape[0]
+    groups = q.shape[1] // k.shape[1]
     mask = None
-    if t > 1:
+    if 1 < t < length:  # a chunk after cached positions: the causal diagonal is offset
         mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
+        # SDPA takes GQA with a mask only in its math kernel (scores materialized): expand the KV heads instead
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    # a whole prompt is plain causal attention, which SDPA runs as flash attention, GQA included
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+                                         attn_mask=mask, is_causal=1 < t == length, scale=scale,
+                                         enable_gqa=mask is None and groups > 1)
     return out[0].transpose(0, 1)
 
 

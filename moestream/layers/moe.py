@@ -36,7 +36,7 @@ class SparseMoE(nn.Module):
                 routed.copy_(ids.reshape(-1))
         else:
             for b in self.provider.batches(self.layer_slot, ids, x):
-                ops.expert_group(x, b.buffer, b.slots, b.layout, b.offsets, b.order, self.top_k, y)
+                ops.expert_group(x, b.buffer, b.slots, b.layout, b.spans, b.order, self.top_k, y)
         out = ops.combine_topk(y.view(t, self.top_k, h), weights)
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -44,15 +44,16 @@ def run_case(precision, hidden, inter, rows, top_k, num_experts, seed=0):
     order = torch.argsort(flat, stable=True).to(DEVICE)
     experts, counts = torch.unique(flat, return_counts=True)
     offsets = [0] + torch.cumsum(counts, 0).tolist()
+    spans = list(zip(offsets, offsets[1:]))
     # records only for the experts in use (quantizing is slow); the slot table has gaps and runs backwards
     num_slots = 2 * len(experts) + 1
     buf = make_buffer(layout, num_slots, gen)
     slots = [num_slots - 1 - 2 * j for j in range(len(experts))]
     want = torch.full((rows * top_k, hidden), float("nan"), dtype=DTYPE, device=DEVICE)
     got = want.clone()
-    reference.expert_group(x, buf, slots, layout, offsets, order, top_k, want)
+    reference.expert_group(x, buf, slots, layout, spans, order, top_k, want)
     phase = "decode" if rows <= 16 else "prefill"
-    expert_mlp.grouped(x, buf, slots, layout, offsets, order, top_k, got, phase)
+    expert_mlp.grouped(x, buf, slots, layout, spans, order, top_k, got, phase)
     assert not torch.isnan(got).any(), "an output element was not written"
     err = (got.float() - want.float()).norm() / want.float().norm()
     assert err < 2e-2, f"relative error {err:.3g}"
@@ -85,7 +86,7 @@ def test_repeated_slot():
     out = torch.full((4, 128), float("nan"), dtype=DTYPE, device=DEVICE)
     expert_mlp.launch_decode(x, out, entries, addr, layout, 2)
     want = torch.empty_like(out)
-    reference.expert_group(x, buf, [1], layout, [0, 4], entries, 2, want)
+    reference.expert_group(x, buf, [1], layout, [(0, 4)], entries, 2, want)
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
@@ -104,7 +105,7 @@ def test_decode_bf16_activations(precision):
     expert_mlp.launch_decode(x, out, entries, addr, layout, 2)
     want = torch.empty(4, 256, device=DEVICE)
     for i in range(4):
-        reference.expert_group(x.float(), buf, [i], layout, [0, 1], entries[i:i + 1], 2, want)
+        reference.expert_group(x.float(), buf, [i], layout, [(0, 1)], entries[i:i + 1], 2, want)
     assert not torch.isnan(out).any()
     assert (out.float() - want).norm() / want.norm() < 2e-2
 
@@ -126,7 +127,7 @@ def test_decode_with_prefetch(precision):
     expert_mlp.launch_decode(x, out, entries, addr, layout, 2, cfg=TileConfig(1, 16, 64, 32, 64, 2, 2))
     want = torch.empty(4, 256, dtype=DTYPE, device=DEVICE)
     for i in range(4):
-        reference.expert_group(x, buf, [i % 3], layout, [0, 1], entries[i:i + 1], 2, want)
+        reference.expert_group(x, buf, [i % 3], layout, [(0, 1)], entries[i:i + 1], 2, want)
     assert not torch.isnan(out).any()
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
@@ -148,7 +149,7 @@ def test_prefill_with_tiles_of_256_rows():
     expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k,
                               cfg=TileConfig(256, 64, 64, 64, 64, 8, 2, 1))
     want = torch.empty_like(out)
-    reference.expert_group(x, buf, [0, 1], layout, [0, rows, 2 * rows], order, top_k, want)
+    reference.expert_group(x, buf, [0, 1], layout, [(0, rows), (rows, 2 * rows)], order, top_k, want)
     assert not torch.isnan(out).any()
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
@@ -171,6 +172,33 @@ def test_decode_chunks_past_k(precision, stages):
     expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=TileConfig(1, 16, 128, 32, 256, 2, stages))
     want = torch.empty(2, 192, dtype=DTYPE, device=DEVICE)
     for i in range(2):
-        reference.expert_group(x, buf, [i], layout, [0, 1], entries[i:i + 1], 1, want)
+        reference.expert_group(x, buf, [i], layout, [(0, 1)], entries[i:i + 1], 1, want)
     assert not torch.isnan(out).any()
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_batches_read_entries_in_place(rows):
+    """The provider's batches name entries where they sit in the step's grouping (spans, not a gathered copy):
+    experts computed in two interleaved batches, out of order, give the same outputs as one batch."""
+    from moestream.kernels import expert_mlp
+
+    gen = torch.Generator().manual_seed(6)
+    layout = RecordLayout.build("q4", 128, 64)
+    top_k, num_experts = 2, 6
+    x = torch.randn(rows, 128, generator=gen).to(DEVICE, DTYPE)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows)])
+    order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+    offsets = [0] + torch.cumsum(torch.tensor(counts), 0).tolist()
+    spans = [(offsets[e], offsets[e + 1]) for e in range(num_experts) if counts[e]]
+    buf = make_buffer(layout, len(spans), gen)
+    slots = list(range(len(spans)))
+    want = torch.full((rows * top_k, 128), float("nan"), dtype=DTYPE, device=DEVICE)
+    reference.expert_group(x, buf, slots, layout, spans, order, top_k, want)
+    got = torch.full_like(want, float("nan"))
+    phase = "decode" if rows <= 16 else "prefill"
+    for part in (slots[1::2][::-1], slots[0::2]):
+        expert_mlp.grouped(x, buf, part, layout, [spans[j] for j in part], order, top_k, got, phase)
+    assert not torch.isnan(got).any()
+    assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
