@@ -50,7 +50,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     mask = None
     if 1 < t < length:  # a chunk after cached positions: the causal diagonal is offset
         mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
-        # SDPA takes GQA with a mask only in its math kernel (scores materialized): expand the KV heads instead
+        # with a mask, GQA may send SDPA to its math kernel (scores materialized): expand the KV heads instead
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # a whole prompt is plain causal attention, which SDPA runs as flash attention, GQA included
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
