@@ -132,8 +132,35 @@ def disk_gbs(path: str | None = None, nbytes: int = 2 << 30, block: int = 4 << 2
     return total / seconds / 1e9
 
 
-def limits(disk_path: str | None = None) -> dict:
+def disk_record_gbs(path: str, stride: int, reads: int = 256, threads: int = 8) -> float:
+    """O_DIRECT reads of whole records at random places in a store's experts file, as the engine reads them."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moestream.experts.memory import host_buffer
+
+    records = os.path.getsize(path) // stride
+    picks = random.Random(0).sample(range(records), min(reads, records))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    bufs = [host_buffer(stride, torch.cuda.is_available()) for _ in range(threads)]
+
+    def read(i):
+        return os.preadv(fd, [memoryview(bufs[i % threads].numpy())], picks[i] * stride)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(read, range(len(picks))))
+    seconds = time.perf_counter() - start
+    os.close(fd)
+    return total / seconds / 1e9
+
+
+def limits(disk_path: str | None = None, records: tuple[str, int] | None = None) -> dict:
+    """The physical limits; `records` = (experts file, stride) adds record-sized random disk reads."""
     out = {"hbm_copy_gbs": hbm_copy_gbs(), "h2d_pinned_gbs": h2d_gbs(), "h2d_record_gbs": h2d_record_gbs(),
            "bf16_matmul_tflops": bf16_matmul_tflops()}
     out["disk_odirect_gbs"] = disk_gbs(disk_path)
+    if records is not None:
+        out["disk_record_gbs"] = disk_record_gbs(*records)
+        out["disk_record_gbs_16_threads"] = disk_record_gbs(*records, threads=16)
     return out

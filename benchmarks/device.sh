@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # One entry point for the GPU machine: `bash benchmarks/device.sh STAGE...` from the repo root.
 # Every stage uses the suite's stores (/tmp/suite-*), built once per machine by `stores` (or `stores-bg`,
-# which builds them in the background while later stages run; stages that need them wait). Logs and
-# results go under $OUT; pass a previous call's suite.json back with SUITE_STATE=path.
+# which builds them in the background while later stages run; stages that need them wait). What a call leaves
+# in /tmp serves the machine's later calls: the tuned tile configs and the suite's state. Logs and results go
+# under $OUT, packed at the end into $OUT/results.tgz (a call returns at most 8 files).
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 STORE=/tmp/suite-qwen3-30b
-STATE=()
-[ -n "${SUITE_STATE:-}" ] && STATE=(--state "$SUITE_STATE")
+TUNED=/tmp/expert_mlp.tuned.json
+STATE_DIR=/tmp/suite-state
+[ -f "$TUNED" ] && cp "$TUNED" moestream/kernels/configs/expert_mlp.json  # this checkout is the local one again
+[ -n "${SUITE_STATE:-}" ] && mkdir -p $STATE_DIR && cp "$SUITE_STATE" $STATE_DIR/suite.json
 wait_stores() { [ -f /tmp/stores.pid ] && while kill -0 "$(cat /tmp/stores.pid)" 2>/dev/null; do sleep 2; done; true; }
-suite() { timeout 580 python -m benchmarks.suite "$@" --out "$OUT/suite" "${STATE[@]}"; STATE=(--state "$OUT/suite/suite.json"); }
+suite() {  # suite SECONDS STAGE ARGS...: state carried in $STATE_DIR between stages and calls
+  local limit=$1; shift
+  local state=(); [ -f $STATE_DIR/suite.json ] && state=(--state $STATE_DIR/suite.json)
+  timeout "$limit" python -m benchmarks.suite "$@" --out "$OUT/suite" "${state[@]}"
+  mkdir -p $STATE_DIR && cp "$OUT/suite/suite.json" $STATE_DIR/suite.json
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
@@ -19,25 +27,26 @@ for stage in "$@"; do
                echo $! > /tmp/stores.pid ;;
     invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
-    kernel-tests) timeout 300 python -m pytest -q -m gpu tests/kernels 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
-    kernels) timeout 400 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
-             cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
+    kernel-tests) timeout 240 python -m pytest -q -m gpu tests/kernels 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
+    kernels) timeout 330 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
+             cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
     kernels-decode) timeout 150 python -m benchmarks.bench_kernels --quick --tune --phases decode 2>&1 | tee "$OUT/kernels.log" | tail -8
-                    cp moestream/kernels/configs/expert_mlp.json "$OUT/" ;;
+                    cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
     decode) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --decode --profile 2>&1 | tee "$OUT/decode.log" | tail -30 ;;
     e2e) wait_stores; timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     overlap) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --prefill --fracs 0.25 --lengths 4096 \
              --host-gb 24 --warm 2>&1 | tee "$OUT/overlap.log" | tail -8 ;;
     overlap-trace) [ -f /tmp/s12/manifest.json ] || python -m benchmarks.synthetic /tmp/s12 --geometry qwen3-30b --layers 12
-             timeout 200 python -m benchmarks.bench_e2e /tmp/s12 --prefill --fracs 0.25 --lengths 4096 --host-gb 8 \
+             timeout 200 python -m benchmarks.bench_e2e /tmp/s12 --prefill --fracs 0.25,1.0 --lengths 4096 --host-gb 8 \
              --warm --trace --ring-groups 8,16 2>&1 | tee "$OUT/overlap-trace.log" | tail -8
              rm -rf /tmp/s12 ;;  # the suite's stores left room on the 64 GB disk for the low-bit variants only
-    limits) suite limits ;;
-    suite-30b) wait_stores; suite moestream --store qwen3-30b=$STORE --modes q4 ;;
-    suite-lowbit) wait_stores; suite moestream --store qwen3-30b=$STORE --modes low-bit ;;
-    suite-next) wait_stores; suite moestream --store qwen3.8-flash-next=/tmp/suite-qwen4 ;;
-    suite-peers) wait_stores; suite peers ;;
+    limits) wait_stores; suite 120 limits ;;
+    suite-30b) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes q4 ;;
+    suite-lowbit) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes low-bit ;;
+    suite-next) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3.8-flash-next=/tmp/suite-qwen4 ;;
+    suite-peers) wait_stores; suite "${SUITE_SECONDS:-580}" peers ;;
   esac
 done
-wait_stores
+[ "${WAIT_STORES:-1}" = 1 ] && wait_stores
 echo "=== done $(date +%T)"
+tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"

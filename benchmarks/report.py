@@ -63,8 +63,11 @@ def write_report(path: str) -> None:
     runs = state["runs"]
     lim = state.get("limits", {})
     record = f" ({lim['h2d_record_gbs']:.1f} in record-sized copies)" if "h2d_record_gbs" in lim else ""
+    reads = (f" ({lim['disk_record_gbs']:.2f} / {lim['disk_record_gbs_16_threads']:.2f} in random record reads, "
+             "8 / 16 threads)") if "disk_record_gbs" in lim else ""
     out = [f"Limits measured in the same run: pinned H2D {lim.get('h2d_pinned_gbs', 0):.1f} GB/s{record}, "
-           f"O_DIRECT disk {lim.get('disk_odirect_gbs', 0):.2f} GB/s, HBM copy {lim.get('hbm_copy_gbs', 0):.0f} GB/s, "
+           f"O_DIRECT disk {lim.get('disk_odirect_gbs', 0):.2f} GB/s{reads}, "
+           f"HBM copy {lim.get('hbm_copy_gbs', 0):.0f} GB/s, "
            f"dense bf16 matmul {lim.get('bf16_matmul_tflops', 0):.0f} TFLOP/s. Peers ran on the same geometry and "
            "prompts; their figures sit beside every moestream row of the same scenario.", ""]
     out += [f"Note: {note}\n" for note in state.get("notes", [])]

@@ -188,7 +188,12 @@ def main() -> None:
     if args.stage == "stores":
         stage_stores(args)
     elif args.stage == "limits":
-        state["limits"] = limits()
+        store = STORES["qwen3-30b"]
+        records = None
+        if os.path.isfile(os.path.join(store, "manifest.json")):
+            s = open_store(store)
+            records = (s.experts_path("q4"), s.manifest.layouts["q4"].stride)
+        state["limits"] = limits(records=records)
         print(state["limits"])
     elif args.stage in ("moestream", "peers"):
         earlier = state["runs"]
