@@ -23,11 +23,11 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
     stores) timeout 580 python -m benchmarks.suite stores --out "$OUT/suite" 2>&1 | tee "$OUT/stores.log" ;;
-    stores-bg) python -m benchmarks.suite stores --out "$OUT/suite" > "$OUT/stores.log" 2>&1 &
+    stores-bg) setsid python -m benchmarks.suite stores --out "$OUT/suite" > /tmp/stores.log 2>&1 &  # outlives a call cut short
                echo $! > /tmp/stores.pid ;;
     invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
-    kernel-tests) timeout 240 python -m pytest -q -m gpu tests/kernels 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
+    kernel-tests) timeout 240 python -m pytest -q -n 4 -m gpu tests/kernels 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
     kernels) timeout 330 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
              cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
     kernels-decode) timeout 150 python -m benchmarks.bench_kernels --quick --tune --phases decode 2>&1 | tee "$OUT/kernels.log" | tail -8
@@ -47,6 +47,7 @@ for stage in "$@"; do
     suite-peers) wait_stores; suite "${SUITE_SECONDS:-580}" peers ;;
   esac
 done
-[ "${WAIT_STORES:-1}" = 1 ] && wait_stores
+wait_stores
+[ -f /tmp/stores.log ] && cp /tmp/stores.log "$OUT/"
 echo "=== done $(date +%T)"
 tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
