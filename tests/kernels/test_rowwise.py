@@ -1,5 +1,5 @@
-"""The Triton RMSNorm equals its torch reference (plain and zero-centred, power-of-two and ragged widths).
-Runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+"""The Triton row-wise kernels equal their torch references: RMSNorm (plain and zero-centred, power-of-two and
+ragged widths), rotary and routing. Runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
 
 import os
 
@@ -40,7 +40,11 @@ def test_rotary_matches_reference(tokens, heads, head_dim, rot):
     x = torch.randn(tokens, heads, head_dim, generator=gen).to(DEVICE, DTYPE)
     cos, sin = Rotary(head_dim, rot / head_dim, 1e6).cos_sin(torch.arange(7, 7 + tokens), DTYPE)
     cos, sin = cos.to(DEVICE), sin.to(DEVICE)
-    torch.testing.assert_close(rowwise.rotary(x, cos, sin), reference.rotary(x, cos, sin))
+    got = rowwise.rotary(x, cos, sin)
+    # the kernel rounds once from fp32; the reference rounds each bf16 product, so compare with fp32 math
+    want = reference.rotary(x.float(), cos.float(), sin.float())
+    assert got.dtype == x.dtype and got.shape == want.shape
+    assert (got.float() - want).norm() / want.norm() < 1e-2
 
 
 @pytest.mark.parametrize("experts,top_k,normalise", [(128, 8, True), (512, 10, True), (60, 4, False), (8, 2, True)])
@@ -49,7 +53,9 @@ def test_route_matches_reference(experts, top_k, normalise):
     from moestream.kernels import rowwise
 
     gen = torch.Generator().manual_seed(2)
-    logits = (torch.randn(33, experts, generator=gen) * 2).to(DEVICE, DTYPE)
+    # distinct logits (k / 16 is exact in bf16 for |k| <= 256): the order of tied experts is not specified
+    logits = torch.stack([torch.randperm(experts, generator=gen) - experts // 2 for _ in range(33)]) / 16
+    logits = logits.to(DEVICE, DTYPE)
     weights, ids = rowwise.route(logits, top_k, normalise, DTYPE)
     want_weights, want_ids = reference.route(logits, top_k, normalise, DTYPE)
     assert torch.equal(ids, want_ids)
