@@ -25,11 +25,14 @@ def out_dir(name: str) -> str:
 
 def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        pass
+    # the device machine's copy of the tree may carry a stale .git: the caller names the commit it sent
+    info["commit"] = os.environ.get("MOESTREAM_COMMIT")
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                            cwd=os.path.dirname(__file__)).stdout.strip()
+        except OSError:
+            pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sms=p.multi_processor_count, hbm_gb=round(p.total_memory / 1e9, 1))

@@ -3,7 +3,8 @@
 # Every stage uses the suite's stores (/tmp/suite-*), built once per machine by `stores` (or `stores-bg`,
 # which builds them in the background while later stages run; stages that need them wait). What a call leaves
 # in /tmp serves the machine's later calls: the tuned tile configs and the suite's state. Logs and results go
-# under $OUT, packed at the end into $OUT/results.tgz (a call returns at most 8 files).
+# under $OUT, packed at the end into $OUT/results.tgz (a call returns at most 8 files). Name the commit sent with
+# MOESTREAM_COMMIT=... (the machine's copy of .git can be stale).
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
