@@ -1,6 +1,7 @@
 """Optional per-layer prefill timing with CUDA events: copy-stream busy time, expert compute time and
 wall time, resolved only when the stats are read (no synchronisation while running); and the host's time
-in the layer's ring path, which bounds the wall when the GPU outruns the host."""
+in the layer's ring path, which bounds the wall when the GPU outruns the host. A layer's copies include those
+started before it (the ring's early fetches), so its copy time can exceed its wall."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ class Profiler:
         self.enabled = enabled
         self.layers: list[dict] = []
         self.current: dict | None = None
+        self.early: list[tuple] = []  # copies made between layers, for the next one (may precede its start)
 
     def begin(self, layer: int) -> dict | None:
         if not self.enabled:
             return None
-        self.current = {"layer": layer, "copies": [], "compute": [], "start": self.mark(),
+        self.current = {"layer": layer, "copies": self.early, "compute": [], "start": self.mark(),
                         "host_start": time.perf_counter()}
+        self.early = []
         self.layers.append(self.current)
         return self.current
 
@@ -36,12 +39,13 @@ class Profiler:
         ev.record()
         return ev
 
-    def copy_events(self, device) -> tuple:
-        """(started, ready) events for a copy that belongs to the layer being profiled, or (None, None)."""
-        if self.current is None:
+    def copy_events(self, device, early: bool = False) -> tuple:
+        """(started, ready) events for a copy that belongs to the layer being profiled (or, `early`, to the next
+        one), else (None, None)."""
+        if not self.enabled or (self.current is None and not early):
             return None, None
         started, ready = device.event(timing=True), device.event(timing=True)
-        self.current["copies"].append((started, ready))
+        (self.early if early else self.current["copies"]).append((started, ready))
         return started, ready
 
     def resolve(self, device: torch.device) -> list[dict]:

@@ -5,9 +5,10 @@ whose copies the compute stream already waits for). Two paths, with the same res
 - pool path (decode, few rows): hits compute at once; misses get pool slots (LRU, never evicting a slot
   this step uses) and fetches; then layer L+1's router on the current hidden state predicts L+1's
   experts, and their fetches start after L's misses (one-layer lookahead).
-- ring path (prefill): the layer's most-used experts, up to the pool's per-layer share, are fetched into
-  the pool and stay for decode; the rest stream through the ring in batches of `ring_group`, each ring
-  slot reused only after the batch that last read it is done (the seed's two-event protocol).
+- ring path (prefill, experts/ring.py): the layer's most-used experts, up to the pool's per-layer share, are
+  fetched into the pool and stay for decode; the rest stream through the ring in batches of `ring_group`, each
+  ring slot reused only after the batch that last read it is done (the seed's two-event protocol); a long
+  prompt's next layer starts its ring fetches before its routing is known.
 Mixed mode (`miss_precision`): demand and ring misses are fetched at Q3/Q2, pool fills and lookahead at
 Q4, and a cached record keeps its precision; a batch holds one precision.
 """
@@ -29,11 +30,12 @@ from moestream.experts.memory import Device
 from moestream.experts.pool import ExpertPool
 from moestream.experts.profile import Profiler
 from moestream.experts.reads import RecordReader
+from moestream.experts.ring import RingPath
 from moestream.experts.store import Store
 from moestream.stats.counters import ExpertStats
 
 
-class StreamingProvider(GraphMode):
+class StreamingProvider(GraphMode, RingPath):
     def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int):
         self.cfg, self.geometry, self.top_k = cfg, store.manifest.geometry, top_k
         self.miss_precision = cfg.miss_precision or cfg.precision
@@ -64,8 +66,10 @@ class StreamingProvider(GraphMode):
         self.flush_addressed()  # count earlier graph steps before this step changes residency
         g = group_by_expert(topk_ids, self.geometry.num_experts)
         self.pool.new_step()
+        speculated, self._speculated = self._speculated, None  # good for the next layer's ring step only
         if topk_ids.shape[0] >= self.cfg.prefill_min_rows or len(g.experts) > self.pool.num_slots:
-            yield from self._ring_path(layer_slot, g)
+            yield from self._ring_path(layer_slot, g, speculated[1] if speculated and speculated[0] == layer_slot
+                                       else {})
         else:
             yield from self._pool_path(layer_slot, g, x)
 
@@ -116,83 +120,6 @@ class StreamingProvider(GraphMode):
             self._fetch(layer + 1, [(rid, slot)], self.cfg.precision)
             c.prefetch_issued += 1
 
-    # -- prefill --------------------------------------------------------------------------------------
-    def _ring_path(self, layer: int, g: Grouping) -> Iterator[ExpertBatch]:
-        self.stats.at(layer, self.cfg.precision).prefill_steps += 1
-        prof = self.profiler.begin(layer)
-        share = self.pool.num_slots // self.geometry.num_layers
-        ranked = sorted(range(len(g.experts)), key=lambda j: -g.counts[j])  # stable: ties keep expert order
-        keep = set(ranked[:share])
-        rids = [self.geometry.rid(layer, e) for e in g.experts]
-        slots = [self._lookup(layer, rid) for rid in rids]  # first every hit, pinned before any fill evicts
-        waits = [self.pool.pending[s] if s is not None else None for s in slots]
-        # The layer keeps up to `share` records: fills take the slots of its residents unused by this step
-        # first, then free room, so that filling one layer does not evict the layers after it.
-        used, idle = set(g.experts), []
-        for e in range(self.geometry.num_experts):
-            slot = None if e in used else self.pool.slot_of.get(self.geometry.rid(layer, e))
-            if slot is not None:
-                idle.append(slot)
-        room = share - len(idle) - sum(s is not None for s in slots)
-        fills, ring_jobs = [], []  # (expert index, rid, slot)
-        for j, rid in enumerate(rids):
-            if slots[j] is not None:
-                continue
-            slot = None
-            if j in keep and idle:  # fills the pool (base precision) and stays for decode
-                slot = self.pool.allocate(rid, idle.pop())
-            elif j in keep and room > 0:
-                slot = self.pool.allocate(rid)
-                room -= 1
-            if slot is not None:
-                self.pool.pin(slot)
-                fills.append((j, rid, slot))
-            else:
-                slot = self.pool.ring_slot(len(ring_jobs))
-                ring_jobs.append((j, rid, slot))
-            slots[j] = slot
-        # Residents already in place compute first, in one batch, while the copies stream; the rest follow
-        # in expert order, `ring_group` at a time (a batch's composition never changes a row's arithmetic).
-        fetched = {j for j, _, _ in fills + ring_jobs}
-        present = [j for j, w in enumerate(waits) if j not in fetched and (w is None or w.done())]
-        rest = sorted(set(range(len(slots))) - set(present))
-        group, ring = self.cfg.ring_group, self.pool.ring_slots
-        batches = ([present] if present else []) + [rest[i: i + group] for i in range(0, len(rest), group)]
-        batch_of_job = {j: b for b, idx in enumerate(batches) for j in idx}
-        # Each batch's fetches go out together (one copy event a batch: the seed's fetched[b]). A ring job
-        # reuses the slot of ring job r - RING, so its batch may start once that job's batch is done.
-        fills_of, ring_of, gate = [[] for _ in batches], [[] for _ in batches], [-1] * len(batches)
-        for j, rid, slot in fills:
-            fills_of[batch_of_job[j]].append((j, rid, slot))
-        for r, (j, rid, slot) in enumerate(ring_jobs):
-            b = batch_of_job[j]
-            ring_of[b].append((j, rid, slot))
-            gate[b] = max(gate[b], batch_of_job[ring_jobs[r - ring][0]] if r >= ring else -1)
-        submitted = 0
-
-        def submit_ready(done_batch: int) -> None:
-            nonlocal submitted
-            while submitted < len(batches) and gate[submitted] <= done_batch:
-                for jobs, precision, is_ring in ((fills_of[submitted], self.cfg.precision, False),
-                                                 (ring_of[submitted], self.miss_precision, True)):
-                    items = [(rid, slot) for _, rid, slot in jobs]
-                    for (j, _, _), f in zip(jobs, self._fetch(layer, items, precision, ring=is_ring) if jobs else ()):
-                        waits[j] = f
-                submitted += 1
-
-        submit_ready(-1)
-        for b, idx in enumerate(batches):
-            for precision, part in self._by_precision([(j, slots[j], waits[j]) for j in idx]):
-                self._wait(layer, [s for _, s, _ in part], [w for _, _, w in part])
-                begin = self.profiler.mark()
-                yield batch_of(g, [j for j, _, _ in part], self.pool.buffer, self.layouts[precision],
-                               [s for _, s, _ in part])
-                if prof is not None:
-                    prof["compute"].append((begin, self.profiler.mark()))
-            self._done([slots[j] for j in idx])
-            submit_ready(b)
-        self.profiler.end(prof)
-
     # -- plumbing -------------------------------------------------------------------------------------
     def _lookup(self, layer: int, rid: int) -> int | None:
         """The record's pool slot (a hit, pinned for this step), or None; counted at the precision used."""
@@ -218,22 +145,24 @@ class StreamingProvider(GraphMode):
             groups.setdefault(self.pool.precision_of[job[1]], []).append(job)
         return sorted(groups.items(), key=lambda kv: kv[0] != self.cfg.precision)
 
-    def _fetch(self, layer: int, items: list[tuple[int, int]], precision: str, ring: bool = False) -> list:
-        """Fetch records into distinct slots, `items` = [(record id, slot)]; one future per item."""
+    def _fetch(self, layer: int, items: list[tuple[int, int]], precision: str, ring: bool = False,
+               early: bool = False) -> list:
+        """Fetch records into distinct slots, `items` = [(record id, slot)]; one future per item. `early`: for
+        the next layer, before its step (timed as its copies)."""
         if not ring:
             self._table_state = None  # residency changes: graph-mode addresses must be rebuilt
         requests = [FetchRequest(rid, precision, layer, self.pool.views[slot], self.pool.last_use[slot],
                                  self.pool.pending[slot]) for rid, slot in items]
-        fetched = self.fetcher.fetch(requests, self._copy_events)
+        fetched = self.fetcher.fetch(requests, lambda: self._copy_events(early))
         for (rid, slot), (future, ready) in zip(items, fetched):
             self.pool.pending[slot], self.pool.ready[slot], self.pool.precision_of[slot] = future, ready, precision
             if ring:
                 self.pool.rid_of[slot] = rid
         return [future for future, _ in fetched]
 
-    def _copy_events(self) -> tuple:
-        """(started, ready) for a copy or a run of copies; `started` only when profiling this layer."""
-        started, ready = self.profiler.copy_events(self.device)
+    def _copy_events(self, early: bool = False) -> tuple:
+        """(started, ready) for a copy or a run of copies; `started` only when profiling."""
+        started, ready = self.profiler.copy_events(self.device, early)
         return started, ready or self.device.event()
 
     def _wait(self, layer: int, slots: list[int], futures: list) -> None:

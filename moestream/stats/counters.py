@@ -3,8 +3,9 @@
 Definitions: a lookup is one distinct expert needed by one layer step; it is a hit when the record is
 in the GPU pool (or on its way there), else a miss. Reads count the records each tier served:
 `gpu` = pool hits, `host` = misses copied from the pinned host tier, `disk` = misses read from disk;
-bytes = records x record stride. Prefetches are lookahead fetches; `prefetch_used` counts those that
-were hit before eviction.
+bytes = records x record stride. Prefetches are lookahead fetches (decode: layer L+1's predicted experts;
+prefill: the next layer's first ring records); `prefetch_used` counts those that were hit before eviction or,
+in the ring, taken by the step they were fetched for.
 """
 
 from __future__ import annotations

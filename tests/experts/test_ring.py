@@ -1,0 +1,51 @@
+"""The prefill ring's early fetches for the next layer: taken when the guess is right, harmless when it is
+wrong (every slot a batch names holds the record it asks for)."""
+
+import torch
+
+from moestream.engine.llm import LLM
+from moestream.experts.format import RecordLayout
+from moestream.sampling import SamplingParams
+from tests.engine.runs import prompt_of
+
+STRIDE = RecordLayout.build("q4", 64, 64).stride
+
+
+def test_next_layer_ring_fetches_start_early_and_are_taken(tiny):
+    store = tiny.store("qwen3_moe")
+    whole = LLM(store, device="cpu")
+    small = LLM(store, device="cpu", pool_gb=2.0001 * STRIDE / 1e9)  # a share of 0: no fills, all guessed
+    try:
+        ids = prompt_of(small, 48)  # 96 routing entries, 12 per expert: every expert is used
+        params = SamplingParams(max_tokens=4)
+        assert small.generate([ids], params)[0].token_ids == whole.generate([ids], params)[0].token_ids
+        layers = small.stats()["layers"]
+        assert layers[0]["q4"]["prefetch_used"] == 0  # nothing runs before the first layer
+        for layer in layers[1:]:
+            c = layer["q4"]
+            assert 0 < c["prefetch_used"] <= c["prefetch_issued"]
+    finally:
+        whole.close()
+        small.close()
+
+
+def test_a_wrong_guess_costs_a_copy_not_a_result(tiny):
+    store = tiny.store("qwen3_moe")
+    llm = LLM(store, device="cpu", pool_gb=2.0001 * STRIDE / 1e9)
+    try:
+        provider = llm.provider
+        every = torch.arange(96).remainder(8).reshape(48, 2)  # every expert: layer 1's ring is guessed
+        for _ in provider.batches(0, every, torch.zeros(48, 64)):
+            pass
+        assert provider._speculated is not None and provider._speculated[0] == 1
+        skips_0 = every.clamp(min=1)  # expert 0 unused: every guessed ring position is now off by one
+        records = open(f"{store}/experts.q4.bin", "rb").read()
+        batches = 0
+        for b in provider.batches(1, skips_0, torch.zeros(48, 64)):
+            for e, slot in zip(b.experts, b.slots):
+                rid = provider.geometry.rid(1, e)
+                assert bytes(b.buffer[slot].numpy()) == records[rid * STRIDE:(rid + 1) * STRIDE], (e, slot)
+            batches += 1
+        assert batches and llm.stats()["layers"][1]["q4"]["prefetch_issued"] > 0
+    finally:
+        llm.close()
