@@ -58,6 +58,28 @@ def targets(runs: list[dict]) -> list[str]:
     return lines
 
 
+def low_bit(runs: list[dict]) -> list[str]:
+    """Issue 8: bytes moved (host + disk) per token and tok/s of each low-bit mode against Q4 in the same scenario
+    (the "moestream q4" rows when the suite ran them, else the Q4 row of that pool and tier)."""
+    def key(r):
+        return r["scenario"], r["tokens"], r["pool"], r["host_tier"]
+
+    q4 = {key(r): r for r in runs if _model(r) == "qwen3-30b" and r["engine"] == "moestream"}
+    q4 |= {key(r): r for r in runs if _model(r) == "qwen3-30b" and r["engine"] == "moestream q4"}
+    lines = ["| scenario | host tier | engine | MB moved per token | of Q4 | tok/s | of Q4 |", "|" + "---|" * 7]
+    for r in sorted((r for r in runs if r["engine"].startswith("moestream q") and r["engine"] != "moestream q4"),
+                    key=lambda r: (r["scenario"], r["host_tier"], r["engine"])):
+        base = q4.get(key(r))
+        moved = (r["bytes"]["host"] + r["bytes"]["disk"]) / r["work"] / 1e6
+        base_moved = (base["bytes"]["host"] + base["bytes"]["disk"]) / base["work"] / 1e6 if base else None
+        lines.append(f"| {r['scenario']} {r['tokens']} | {'on' if r['host_tier'] else 'off'} | {r['engine']} | "
+                     f"{moved:,.1f} | {moved / base_moved:.0%} | {_fmt(r['rate'])} | {r['rate'] / base['rate']:.2f}x |"
+                     if base and base_moved else
+                     f"| {r['scenario']} {r['tokens']} | {'on' if r['host_tier'] else 'off'} | {r['engine']} | "
+                     f"{moved:,.1f} | - | {_fmt(r['rate'])} | - |")
+    return lines
+
+
 def write_report(path: str) -> None:
     state = json.load(open(os.path.join(path, "suite.json")))
     runs = state["runs"]
@@ -74,6 +96,8 @@ def write_report(path: str) -> None:
     for model in sorted({_model(r) for r in runs}):
         out += [f"## {model}", "", *table(runs, model), ""]
     out += ["## Targets (issue 7, 30B geometry)", "", *targets(runs), ""]
+    if any(r["engine"].startswith("moestream q") for r in runs):
+        out += ["## Low-bit experts against Q4 (issue 8, 30B geometry, pool 25%)", "", *low_bit(runs), ""]
     with open(os.path.join(path, "report.md"), "w") as f:
         f.write("\n".join(out))
     print("\n".join(out))

@@ -88,10 +88,10 @@ def flops_per_token(store) -> float:
 
 
 SCENARIOS = (("decode", 16, 64), ("prefill", 512, 1), ("prefill", 4096, 1))
-# issue 8's rows: low-bit experts where misses dominate (pool 25%, host tier on and off), on the 30B geometry;
+# issue 8's rows: low-bit experts where misses dominate (pool 25%, host tier on and off), on the 30B geometry,
 # 32 decode tokens, as disk-only decode runs at a few tokens a second
-LOW_BIT = (("moestream q3", dict(experts=3)), ("moestream q2", dict(experts=2)),
-           ("moestream q4, misses q2", dict(miss_experts=2)))
+LOW_BIT = (("moestream q4", {}), ("moestream q3", dict(experts=3)), ("moestream q2", dict(experts=2)),
+           ("moestream q4, misses q2", dict(miss_experts=2)))  # q4 first: the same scenarios to compare with
 LOW_BIT_SCENARIOS = (("decode", 16, 32), ("prefill", 4096, 1))
 
 
