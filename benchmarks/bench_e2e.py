@@ -75,7 +75,8 @@ def _traced(path: str | None):
 
 
 def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0,
-                 warm: bool = False, trace: str | None = None, ring_group: int = 8) -> list[dict]:
+                 warm: bool = False, trace: str | None = None, ring_group: int = 8,
+                 ring_lookahead: bool = False) -> list[dict]:
     """With `warm`, each prompt runs once first so the host tier holds what the measured run misses; with
     `trace` (a folder), the measured run's timeline is saved there."""
     s = open_store(store)
@@ -83,13 +84,14 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
     rows = []
     for frac in fracs:
         llm = LLM(store, device="cuda", pool_gb=total_gb * frac, host_gb=host_gb, profile=True, preload=False,
-                  ring_group=ring_group)
+                  ring_group=ring_group, ring_lookahead=ring_lookahead)
         for n in lengths:
             ids = prompt(n, llm.config.vocab_size, seed=n)
             if warm:
                 llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
             start = time.perf_counter()
-            trace_path = trace and os.path.join(trace, f"prefill-{frac:g}-{n}-g{ring_group}.json")
+            trace_path = trace and os.path.join(trace, f"prefill-{frac:g}-{n}-g{ring_group}"
+                                                       f"{'-early' if ring_lookahead else ''}.json")
             with _traced(trace_path):
                 out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
             wall = time.perf_counter() - start
@@ -101,7 +103,8 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
             host = sum(t["host_s"] for t in timings)
             reads = {tier: e["reads"][tier]["bytes"] / 1e9 for tier in ("disk", "host")}
             # the engine's prefill time (what the suite reports), and generate()'s wall around it
-            rows.append({"pool_frac": frac, "host_gb": host_gb, "ring_group": ring_group, "prompt": n,
+            rows.append({"pool_frac": frac, "host_gb": host_gb, "ring_group": ring_group,
+                         "ring_lookahead": ring_lookahead, "prompt": n,
                          "prefill_tok_s": out.stats["timings"]["prefill_tok_s"], "generate_seconds": wall,
                          "disk_gb": reads["disk"], "host_read_gb": reads["host"],
                          "copy_s": copy, "compute_s": compute, "expert_wall_s": gpu_wall, "host_s": host,
@@ -125,6 +128,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="break an eager decode step down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
     p.add_argument("--ring-groups", default="8", help="prefill: experts per ring batch, one run each (e.g. 8,16)")
+    p.add_argument("--ring-lookahead", default="off", help="prefill: the next layer's ring fetched early: off, on, "
+                   "or off,on (one run each)")
     args = p.parse_args()
     data, table = {}, []
     if args.decode:
@@ -132,10 +137,12 @@ def main() -> None:
         table += [["decode", r["mode"], f"{r['decode_tok_s']:.1f} tok/s", f"{r['ms_per_token']:.2f} ms/token", ""]
                   for r in data["decode"]]
     if args.prefill:
-        data["prefill"] = [r for group in args.ring_groups.split(",") for r in prefill_runs(
-            args.store, [float(f) for f in args.fracs.split(",")], [int(n) for n in args.lengths.split(",")],
-            args.host_gb, args.warm, out_dir("e2e") if args.trace else None, int(group))]
-        table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens, group {r['ring_group']}",
+        data["prefill"] = [r for early in args.ring_lookahead.split(",") for group in args.ring_groups.split(",")
+                           for r in prefill_runs(args.store, [float(f) for f in args.fracs.split(",")],
+                                                 [int(n) for n in args.lengths.split(",")], args.host_gb, args.warm,
+                                                 out_dir("e2e") if args.trace else None, int(group), early == "on")]
+        table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens, group {r['ring_group']}"
+                   f"{', early ring' if r['ring_lookahead'] else ''}",
                    f"{r['prefill_tok_s']:.0f} tok/s",
                    f"copy {r['copy_s']:.2f} s, compute {r['compute_s']:.2f} s, wall {r['expert_wall_s']:.2f} s, "
                    f"host {r['host_s']:.2f} s",

@@ -38,8 +38,8 @@ for stage in "$@"; do
     overlap) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --prefill --fracs 0.25 --lengths 4096 \
              --host-gb 24 --warm 2>&1 | tee "$OUT/overlap.log" | tail -8 ;;
     overlap-trace) [ -f /tmp/s12/manifest.json ] || python -m benchmarks.synthetic /tmp/s12 --geometry qwen3-30b --layers 12
-             timeout 200 python -m benchmarks.bench_e2e /tmp/s12 --prefill --fracs 0.25,1.0 --lengths 4096 --host-gb 8 \
-             --warm --trace --ring-groups 8,16 2>&1 | tee "$OUT/overlap-trace.log" | tail -8
+             timeout 240 python -m benchmarks.bench_e2e /tmp/s12 --prefill --fracs 0.25,1.0 --lengths 4096 --host-gb 8 \
+             --warm --trace --ring-groups 8,16 --ring-lookahead off,on 2>&1 | tee "$OUT/overlap-trace.log" | tail -12
              rm -rf /tmp/s12 ;;  # the suite's stores left room on the 64 GB disk for the low-bit variants only
     limits) wait_stores; suite 120 limits ;;
     suite-30b) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes q4 ;;

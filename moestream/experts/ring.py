@@ -3,9 +3,9 @@
 Per layer the chunk's most used experts, up to the layer's pool share, go to the pool and stay for decode;
 the rest stream through `ring_slots` device slots in batches of `ring_group`, each batch's copies sharing one
 event that the compute stream waits on (fetched[b]), and each ring slot refilled only after the compute event of
-the batch that last read it (done[b]). Across layers, a long prompt's next layer needs all its non-resident
-records, so their fetches start as soon as this layer's batches are enqueued (`_speculate`); a guess that turns
-out wrong costs a copy, never a result, as every slot still holds the record its batch asks for.
+the batch that last read it (done[b]). Across layers (`ring_lookahead`), a long prompt's next layer needs all its
+non-resident records, so their fetches start as soon as this layer's batches are enqueued (`_speculate`); a guess
+that turns out wrong costs a copy, never a result, as every slot still holds the record its batch asks for.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class RingPath:
         `entries` >= 8 per expert uses every expert (an expert is missed with odds e**-8), and a layer holding
         its pool share makes no pool fills, so its ring asks for its non-resident records in expert order."""
         g, self._speculated = self.geometry, None
-        if layer >= g.num_layers or entries < 8 * g.num_experts:
+        if not self.cfg.ring_lookahead or layer >= g.num_layers or entries < 8 * g.num_experts:
             return
         missing = [rid for rid in (g.rid(layer, e) for e in range(g.num_experts)) if rid not in self.pool.slot_of]
         if g.num_experts - len(missing) < self.pool.num_slots // g.num_layers:

@@ -12,6 +12,7 @@ SETTINGS = [
     dict(pool_gb=None),  # whole model resident: decode is one CUDA graph
     dict(pool_gb="min"),  # handshake per layer
     dict(pool_gb="min", ring_slots=8, ring_group=2),
+    dict(pool_gb="min", ring_slots=8, ring_group=2, ring_lookahead=True),
     dict(pool_gb="half", lookahead=False),
     dict(pool_gb="half", host_gb=0.01),  # host tier holds every record: graphs read misses in place
     dict(pool_gb="min", host_gb=0.0003, ring_slots=4, ring_group=1),

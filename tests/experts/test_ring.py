@@ -14,7 +14,7 @@ STRIDE = RecordLayout.build("q4", 64, 64).stride
 def test_next_layer_ring_fetches_start_early_and_are_taken(tiny):
     store = tiny.store("qwen3_moe")
     whole = LLM(store, device="cpu")
-    small = LLM(store, device="cpu", pool_gb=2.0001 * STRIDE / 1e9)  # a share of 0: no fills, all guessed
+    small = LLM(store, device="cpu", pool_gb=2.0001 * STRIDE / 1e9, ring_lookahead=True)  # share 0: all guessed
     try:
         ids = prompt_of(small, 48)  # 96 routing entries, 12 per expert: every expert is used
         params = SamplingParams(max_tokens=4)
@@ -31,7 +31,7 @@ def test_next_layer_ring_fetches_start_early_and_are_taken(tiny):
 
 def test_a_wrong_guess_costs_a_copy_not_a_result(tiny):
     store = tiny.store("qwen3_moe")
-    llm = LLM(store, device="cpu", pool_gb=2.0001 * STRIDE / 1e9)
+    llm = LLM(store, device="cpu", pool_gb=2.0001 * STRIDE / 1e9, ring_lookahead=True)
     try:
         provider = llm.provider
         every = torch.arange(96).remainder(8).reshape(48, 2)  # every expert: layer 1's ring is guessed
@@ -47,5 +47,14 @@ def test_a_wrong_guess_costs_a_copy_not_a_result(tiny):
                 assert bytes(b.buffer[slot].numpy()) == records[rid * STRIDE:(rid + 1) * STRIDE], (e, slot)
             batches += 1
         assert batches and llm.stats()["layers"][1]["q4"]["prefetch_issued"] > 0
+    finally:
+        llm.close()
+
+
+def test_off_by_default(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=2.0001 * STRIDE / 1e9)
+    try:
+        llm.generate([prompt_of(llm, 48)], SamplingParams(max_tokens=1))  # a prefill and no decode step
+        assert llm.stats()["totals"]["q4"]["prefetch_issued"] == 0
     finally:
         llm.close()
