@@ -35,8 +35,9 @@ def random_pool(layout: RecordLayout, records: int) -> torch.Tensor:
     return buf
 
 
-def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64) -> dict:
-    """One layer's decode step, graph-captured back to back over rotating expert sets (so L2 cannot serve)."""
+def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, split: bool = False) -> dict:
+    """One layer's decode step, graph-captured back to back over rotating expert sets (so L2 cannot serve);
+    `split` adds each kernel's own GPU time (profiled replays), so the launches' share shows."""
     records = pool.shape[0]
     n = rows * top_k
     sets, rng = [], random.Random(rows)  # seeded: every config computes the same step (outputs are compared)
@@ -61,7 +62,18 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64) -> 
             step(a)
     seconds = cuda_time(graph.replay, iters=20) / calls
     nbytes = distinct * layout.record_bytes
-    return {"rows": rows, "us": seconds * 1e6, "gbs": nbytes / seconds / 1e9, "bytes": nbytes, "out": out.clone()}
+    result = {"rows": rows, "us": seconds * 1e6, "gbs": nbytes / seconds / 1e9, "bytes": nbytes, "out": out.clone()}
+    if split:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                graph.replay()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if "gemv_kernel" in e.key:  # device time per call
+                result[f"{e.key.split('_gemv')[0]}_us"] = e.device_time_total / max(e.count, 1)
+    return result
 
 
 def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
@@ -173,6 +185,13 @@ def main() -> None:
             scored.sort(key=lambda t: -t[0])
             score, cfg, r = scored[0]
             best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
+            if phase == "decode":  # where the best tiles' time goes: each kernel alone, against the whole step
+                split = [decode_case(layout, pool, rows, g["top_k"], cfg, split=True) for rows in (1, 4)]
+                for x in split:
+                    x.pop("out")
+                    print(f"{precision} decode, {x['rows']} rows: {x['us']:.1f} us a step; kernels alone: "
+                          + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in x.items() if k.endswith("_us")))
+                results.setdefault("decode_split", []).append({"precision": precision, "runs": split})
             for x in r:
                 if phase == "decode":
                     table.append([precision, phase, x["rows"], f"{x['us']:.1f} us", f"{x['gbs']:.0f} GB/s",
