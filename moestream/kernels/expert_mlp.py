@@ -31,6 +31,13 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     unpack: int = 0
+    warps_down: int = 0  # decode: the down kernel's own warps and stages (0: the same as gate/up's)
+    stages_down: int = 0
+
+    @property
+    def down(self) -> tuple[int, int]:
+        """(num_warps, num_stages) of the down kernel."""
+        return self.warps_down or self.num_warps, self.stages_down or self.num_stages
 
 
 DEFAULTS = {"decode": TileConfig(1, 32, 128, 32, 128, 4, 1), "prefill": TileConfig(128, 64, 64, 128, 128, 8, 4, 1)}
@@ -62,7 +69,7 @@ def fitted(cfg: TileConfig, phase: str, layout: RecordLayout) -> TileConfig:
     if phase == "prefill":
         bk_gate_up, bk_down = _fit(bk_gate_up, hidden), _fit(bk_down, inter)
     return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, inter), bk_gate_up, _fit(cfg.bn_down, hidden), bk_down,
-                      cfg.num_warps, cfg.num_stages, cfg.unpack)
+                      cfg.num_warps, cfg.num_stages, cfg.unpack, cfg.warps_down, cfg.stages_down)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -91,15 +98,16 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's low plane holds two of its bits
     field_mask = 0 if bits == 16 else ((1 << (2 if bits == 3 else bits)) - 1) << (23 - bits)
     h = torch.empty(addr.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
-    prefetch = cfg.num_stages > 1  # decode "stages": 2 = the next chunk's loads in flight while one computes
+    # decode "stages": 2 = the next chunk's loads in flight while one computes
+    (warps_down, stages_down), prefetch = cfg.down, cfg.num_stages > 1
     gate_up_gemv_kernel[(addr.shape[0], inter // cfg.bn_gate_up)](
         x, h, entries, addr, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"], o["up_s"],
         o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=layout.group_size or 64,
         BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=1)
     down_gemv_kernel[(addr.shape[0], hidden // cfg.bn_down)](
         h, out, entries, addr, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask, H=hidden, I=inter,
-        BITS=bits, GROUP=layout.group_size or 64, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=prefetch,
-        num_warps=cfg.num_warps, num_stages=1)
+        BITS=bits, GROUP=layout.group_size or 64, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=stages_down > 1,
+        num_warps=warps_down, num_stages=1)
 
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,

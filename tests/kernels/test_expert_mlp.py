@@ -155,10 +155,10 @@ def test_prefill_with_tiles_of_256_rows():
 
 
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("stages", [1, 2, (1, 4, 2)])  # (gate/up stages, down's warps, down's stages)
 def test_decode_chunks_past_k(precision, stages):
     """Decode K chunks need not divide K: a partial last chunk (192 = 128 + 64) and one chunk wider than K
-    (64 < 256) read zeros past the end."""
+    (64 < 256) read zeros past the end; the down kernel may take warps and stages of its own."""
     from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
@@ -169,7 +169,9 @@ def test_decode_chunks_past_k(precision, stages):
     entries = torch.arange(2, device=DEVICE)
     addr = torch.tensor([buf[0].data_ptr(), buf[1].data_ptr()], device=DEVICE)
     out = torch.full((2, 192), float("nan"), dtype=DTYPE, device=DEVICE)
-    expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=TileConfig(1, 16, 128, 32, 256, 2, stages))
+    up_stages, *down = stages if isinstance(stages, tuple) else (stages, 0, 0)
+    cfg = TileConfig(1, 16, 128, 32, 256, 2, up_stages, 0, *down)
+    expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=cfg)
     want = torch.empty(2, 192, dtype=DTYPE, device=DEVICE)
     for i in range(2):
         reference.expert_group(x, buf, [i], layout, [(0, 1)], entries[i:i + 1], 1, want)
