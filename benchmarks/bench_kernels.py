@@ -112,6 +112,11 @@ DECODE_FIRST = [TileConfig(1, 16, 2048, 32, 1024, 4, 1), TileConfig(1, 8, 2048, 
                 TileConfig(1, 16, 2048, 16, 1024, 4, 1), TileConfig(1, 8, 256, 16, 256, 2, 2)]
 
 
+def _error(outs: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative error of the outputs of one config against another's."""
+    return max(float((o - w).norm() / w.norm()) for o, w in zip(outs, want))
+
+
 def composed_decode(scored: list) -> TileConfig | None:
     """The fastest gate/up tiles with the fastest down tiles, each judged by its own kernel's time at 1 and 4
     rows (the sweep's configs pair them at random), or None without per-kernel times."""
@@ -191,7 +196,7 @@ def main() -> None:
                     continue
                 outs = [x.pop("out").float() for x in r]
                 first = first or outs  # every config must compute what the tuned one does
-                err = max(float((o - f).norm() / f.norm()) for o, f in zip(outs, first))
+                err = _error(outs, first)
                 if err > 2e-2:
                     print(f"skip {phase} {cfg}: wrong results (relative error {err:.3g} against the tuned tiles)")
                     continue
@@ -201,7 +206,7 @@ def main() -> None:
             if composed is not None and composed not in [c for _, c, _ in scored]:
                 r = [decode_case(layout, pool, rows, g["top_k"], composed, split=True) for rows in (1, 4)]
                 outs = [x.pop("out").float() for x in r]
-                if max(float((o - f).norm() / f.norm()) for o, f in zip(outs, first)) <= 2e-2:
+                if _error(outs, first) <= 2e-2:
                     scored.append((sum(x["gbs"] for x in r), composed, r))
                     results[phase].append({"precision": precision, "config": dataclasses.asdict(composed), "runs": r,
                                            "composed": True})
@@ -236,7 +241,7 @@ def main() -> None:
         runs = [(prefill_case(layout, pool, 4096, g["top_k"], cfg), cfg)
                 for cfg in (expert_mlp.tile_config("prefill", layout), TileConfig(**best["prefill/bits4"]))]
         a, b = (r.pop("out").float() for r, _ in runs)
-        x, cfg = max(runs, key=lambda rc: rc[0]["tflops"]) if (a - b).norm() / a.norm() < 2e-2 else runs[0]
+        x, cfg = max(runs, key=lambda rc: rc[0]["tflops"]) if _error([b], [a]) < 2e-2 else runs[0]
         best[f"prefill/bits{layout.bits}"] = dataclasses.asdict(cfg)
         results["prefill"].append({"precision": precision, "config": dataclasses.asdict(cfg), "runs": [x]})
         table.append([precision, "prefill", x["rows"], f"{x['ms']:.2f} ms", f"{x['tflops']:.0f} TFLOP/s",

@@ -106,12 +106,28 @@ def bf16_matmul_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / cuda_time(lambda: a @ b, iters=20) / 1e12
 
 
-def disk_gbs(path: str | None = None, nbytes: int = 2 << 30, block: int = 4 << 20, threads: int = 8) -> float:
-    """O_DIRECT read bandwidth of a fresh file (written here, so the page cache cannot serve it)."""
+def _odirect_gbs(path: str, offsets: list[int], size: int, threads: int) -> float:
+    """Read `size` bytes at each offset of `path` with O_DIRECT from `threads` threads; GB/s."""
     from concurrent.futures import ThreadPoolExecutor
 
     from moestream.experts.memory import host_buffer
 
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    bufs = [host_buffer(size, torch.cuda.is_available()) for _ in range(threads)]
+
+    def read(i):
+        return os.preadv(fd, [memoryview(bufs[i % threads].numpy())], offsets[i])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(read, range(len(offsets))))
+    seconds = time.perf_counter() - start
+    os.close(fd)
+    return total / seconds / 1e9
+
+
+def disk_gbs(path: str | None = None, nbytes: int = 2 << 30, block: int = 4 << 20, threads: int = 8) -> float:
+    """O_DIRECT read bandwidth of a fresh file (written here, so the page cache cannot serve it)."""
     fd_path = path or os.path.join(tempfile.gettempdir(), "moestream-disk-probe.bin")
     with open(fd_path, "wb") as f:
         chunk = os.urandom(block)
@@ -119,43 +135,18 @@ def disk_gbs(path: str | None = None, nbytes: int = 2 << 30, block: int = 4 << 2
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
-    fd = os.open(fd_path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    bufs = [host_buffer(block, torch.cuda.is_available()) for _ in range(threads)]
-
-    def read(i):
-        view = memoryview(bufs[i % threads].numpy())
-        return os.preadv(fd, [view], i * block)
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as ex:
-        total = sum(ex.map(read, range(nbytes // block)))
-    seconds = time.perf_counter() - start
-    os.close(fd)
+    gbs = _odirect_gbs(fd_path, [i * block for i in range(nbytes // block)], block, threads)
     os.remove(fd_path)
-    return total / seconds / 1e9
+    return gbs
 
 
 def disk_record_gbs(path: str, stride: int, reads: int = 256, threads: int = 8) -> float:
     """O_DIRECT reads of whole records at random places in a store's experts file, as the engine reads them."""
     import random
-    from concurrent.futures import ThreadPoolExecutor
-
-    from moestream.experts.memory import host_buffer
 
     records = os.path.getsize(path) // stride
     picks = random.Random(0).sample(range(records), min(reads, records))
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    bufs = [host_buffer(stride, torch.cuda.is_available()) for _ in range(threads)]
-
-    def read(i):
-        return os.preadv(fd, [memoryview(bufs[i % threads].numpy())], picks[i] * stride)
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as ex:
-        total = sum(ex.map(read, range(len(picks))))
-    seconds = time.perf_counter() - start
-    os.close(fd)
-    return total / seconds / 1e9
+    return _odirect_gbs(path, [r * stride for r in picks], stride, threads)
 
 
 def limits(disk_path: str | None = None, records: tuple[str, int] | None = None) -> dict:

@@ -71,12 +71,11 @@ def low_bit(runs: list[dict]) -> list[str]:
                     key=lambda r: (r["scenario"], r["host_tier"], r["engine"])):
         base = q4.get(key(r))
         moved = (r["bytes"]["host"] + r["bytes"]["disk"]) / r["work"] / 1e6
-        base_moved = (base["bytes"]["host"] + base["bytes"]["disk"]) / base["work"] / 1e6 if base else None
-        lines.append(f"| {r['scenario']} {r['tokens']} | {'on' if r['host_tier'] else 'off'} | {r['engine']} | "
-                     f"{moved:,.1f} | {moved / base_moved:.0%} | {_fmt(r['rate'])} | {r['rate'] / base['rate']:.2f}x |"
-                     if base and base_moved else
-                     f"| {r['scenario']} {r['tokens']} | {'on' if r['host_tier'] else 'off'} | {r['engine']} | "
-                     f"{moved:,.1f} | - | {_fmt(r['rate'])} | - |")
+        base_moved = (base["bytes"]["host"] + base["bytes"]["disk"]) / base["work"] / 1e6 if base else 0
+        cells = [f"{r['scenario']} {r['tokens']}", "on" if r["host_tier"] else "off", r["engine"], f"{moved:,.1f}",
+                 f"{moved / base_moved:.0%}" if base_moved else "-", _fmt(r["rate"]),
+                 f"{r['rate'] / base['rate']:.2f}x" if base else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

@@ -104,7 +104,8 @@ class Fetcher:
                     future, ready = ENQUEUED, run[1]
                 else:
                     # a reader may overwrite a host slot this run copies from: the run's event first
-                    run = self._finish(run)
+                    self._finish(run)
+                    run = None
                     started, ready = events()
                     future = self.pool.submit(self._job, r, source, host_slot, host_wait, started, ready)
                 if host_slot is not None:

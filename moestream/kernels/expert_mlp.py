@@ -58,12 +58,8 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
     fallback = _table().get(f"{phase}/bits4") if phase == "decode" and layout.bits < 4 else None
     entry = _table().get(key) or _table().get(f"{phase}/bits{layout.bits}") or fallback
     cfg = TileConfig(**entry) if entry else DEFAULTS[phase]
-    return fitted(cfg, phase, layout)
-
-
-def fitted(cfg: TileConfig, phase: str, layout: RecordLayout) -> TileConfig:
-    """Output tiles must divide the matrix (and prefill's K tiles too; decode masks its last K chunk): fall back
-    to the largest power of two that does."""
+    # Output tiles must divide the matrix, and prefill's K tiles too (decode masks its last K chunk): fall back
+    # to the largest power of two that does.
     hidden, inter = layout.hidden_size, layout.intermediate_size
     bk_gate_up, bk_down = cfg.bk_gate_up, cfg.bk_down
     if phase == "prefill":
