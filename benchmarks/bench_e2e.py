@@ -28,13 +28,13 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def profile_decode(llm: LLM, ids: list[int], steps: int = 4) -> list[tuple[str, float]]:
-    """Top kernels (CUDA microseconds per decode step) of eager steps that run the graph's kernels."""
+    """Top kernels (CUDA microseconds per decode step) of the steps `llm` runs: graph replays' kernels too."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate([ids], SamplingParams(max_tokens=steps, ignore_eos=True))
     events = prof.key_averages()
-    rows = sorted(((e.key, e.device_time_total / steps) for e in events), key=lambda r: -r[1])[:15]
+    rows = sorted(((e.key, e.device_time_total / steps) for e in events), key=lambda r: -r[1])[:30]
     for name, us in rows:
         print(f"  {us:9.1f} us/step  {name[:100]}")
     return rows
@@ -51,7 +51,7 @@ def decode_runs(store: str, tokens: int = 64, profile: bool = False) -> list[dic
         rows.append({"mode": mode, "decode_tok_s": t["decode_tok_s"], "ms_per_token": 1e3 / t["decode_tok_s"],
                      "graph_replays": llm.decoder.graph_replays, "tokens": out.token_ids[:8]})
         print(rows[-1])
-        if profile and mode == "addressed":
+        if profile and mode in ("graph", "addressed"):
             rows[-1]["profile_us_per_step"] = profile_decode(llm, ids)
         llm.close()
         torch.cuda.empty_cache()
@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--lengths", default="512,4096")
     p.add_argument("--host-gb", type=float, default=0.0)
     p.add_argument("--warm", action="store_true", help="run each prompt once before timing it")
-    p.add_argument("--profile", action="store_true", help="break an eager decode step down by kernel")
+    p.add_argument("--profile", action="store_true", help="break graphed and eager decode steps down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
     p.add_argument("--ring-groups", default="8", help="prefill: experts per ring batch, one run each (e.g. 8,16)")
     p.add_argument("--ring-lookahead", default="off", help="prefill: the next layer's ring fetched early: off, on, "

@@ -17,7 +17,7 @@ wait_stores() { [ -f /tmp/stores.pid ] && while kill -0 "$(cat /tmp/stores.pid)"
 suite() {  # suite SECONDS STAGE ARGS...: state carried in $STATE_DIR between stages and calls
   local limit=$1; shift
   local state=(); [ -f $STATE_DIR/suite.json ] && state=(--state $STATE_DIR/suite.json)
-  timeout "$limit" python -m benchmarks.suite "$@" --out "$OUT/suite" "${state[@]}"
+  timeout "$limit" python -m benchmarks.suite "$@" --out "$OUT/suite" "${state[@]}" ${SUITE_ARGS:-}
   mkdir -p $STATE_DIR && cp "$OUT/suite/suite.json" $STATE_DIR/suite.json
 }
 for stage in "$@"; do
@@ -40,6 +40,7 @@ for stage in "$@"; do
     overlap-trace) [ -f /tmp/s12/manifest.json ] || python -m benchmarks.synthetic /tmp/s12 --geometry qwen3-30b --layers 12
              timeout 240 python -m benchmarks.bench_e2e /tmp/s12 --prefill --fracs 0.25,1.0 --lengths 4096 --host-gb 8 \
              --warm --trace --ring-groups 8,16 --ring-lookahead off,on 2>&1 | tee "$OUT/overlap-trace.log" | tail -12
+             timeout 120 python -m benchmarks.bench_e2e /tmp/s12 --decode --profile 2>&1 | tee "$OUT/decode-s12.log" | tail -8
              rm -rf /tmp/s12 ;;  # the suite's stores left room on the 64 GB disk for the low-bit variants only
     limits) wait_stores; suite 120 limits ;;
     suite-30b) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes q4 ;;

@@ -134,8 +134,9 @@ def stage_moestream(args) -> list[dict]:
             layout = RecordLayout.build(precision_name(opts.get("experts", 4)), g.hidden_size, g.intermediate_size)
             total_gb = g.num_records * layout.stride / 1e9
             llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
-                      host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host, **opts)
-            base = {"model": name, "engine": engine, "pool": frac, "host_tier": host}
+                      host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host,
+                      ring_lookahead=args.ring_lookahead, **opts)
+            base = {"model": name, "engine": engine, "pool": frac, "host_tier": host, "ring_lookahead": args.ring_lookahead}
             runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream" else LOW_BIT_SCENARIOS)
             mode = f"{name}/{engine}, pool {frac:.0%}, {'host tier' if host else 'disk only'}"
             args.save(runs, {mode: hit_rates(llm.stats()["layers"])})  # a call stopped by its limit keeps these
@@ -174,6 +175,7 @@ def main() -> None:
     p.add_argument("--offload-tokens", type=int, default=3)
     p.add_argument("--modes", choices=["all", "q4", "low-bit"], default="all",
                    help="moestream stage: which engine modes (deriving the low-bit stores takes minutes, once)")
+    p.add_argument("--ring-lookahead", action="store_true", help="moestream stage: fetch the next layer's ring early")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--state", help="a suite.json from an earlier call to continue (each call's $OUT starts empty)")
