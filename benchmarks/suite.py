@@ -136,7 +136,8 @@ def stage_moestream(args) -> list[dict]:
             llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
                       host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host,
                       ring_lookahead=args.ring_lookahead, **opts)
-            base = {"model": name, "engine": engine, "pool": frac, "host_tier": host, "ring_lookahead": args.ring_lookahead}
+            base = {"model": name, "engine": engine, "pool": frac, "host_tier": host,
+                    "ring_lookahead": args.ring_lookahead}
             runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream" else LOW_BIT_SCENARIOS)
             mode = f"{name}/{engine}, pool {frac:.0%}, {'host tier' if host else 'disk only'}"
             args.save(runs, {mode: hit_rates(llm.stats()["layers"])})  # a call stopped by its limit keeps these

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moestream.layers.attention import decode_attention, visible_positions
+from moestream.layers.attention import decode_attention
 from moestream.layers.hyper import HyperConnection
 from moestream.layers.moe import SparseMoE
 from moestream.models.base import CausalLM, SequenceState
@@ -32,40 +32,38 @@ def static_step(model: CausalLM, token: torch.Tensor, position: torch.Tensor, st
                 addresses: torch.Tensor | None, routed: torch.Tensor | None = None) -> torch.Tensor:
     """token, position: [1] device tensors -> logits [1, vocab]; writes the caches at `position`, and with
     `addresses` each MoE layer's expert ids into `routed` [num_moe_layers, top_k]. With hyper-connections
-    (qwen4_exp) the residual is the streams and the hyper-connections stand where the norms do."""
+    (qwen4_exp) the residual is the streams and the hyper-connections stand where the norms do; otherwise
+    each residual add runs in the launch of the norm after it."""
     x = model.model.embed_tokens(token)
     rope = model.rotary.cos_sin(position, x.dtype)
     hyper = model.config.model_type == "qwen4_exp"
     streams = x.repeat(1, model.config.hc_count) if hyper else None
-    visible = None  # computed once: the layers' caches grow alike, so their capacities agree
+    pending = None  # the last block's output, not yet added to x
     for layer, layer_state in zip(model.model.layers, state.layers):
         if hyper:
             h, weights = layer.attn_hyper_connection(streams)
         else:
-            h = layer.input_layernorm(x)
+            x, h = layer.input_layernorm.after(x, pending)
         if layer.kind == "linear_attention":
             out = layer.linear_attn(h, layer_state)
         else:
-            if visible is None or visible.shape[0] != layer_state.k.shape[0]:
-                visible = visible_positions(layer_state, position)
-            out = decode_attention(layer.self_attn, h, rope, position, layer_state, visible)
+            out = decode_attention(layer.self_attn, h, rope, position, layer_state)
         if hyper:
             streams = HyperConnection.inject(streams, out, weights)
             h, weights = layer.mlp_hyper_connection(streams)
         else:
-            x = x + out
-            h = layer.post_attention_layernorm(x)
+            x, h = layer.post_attention_layernorm.after(x, out)
         if isinstance(layer.mlp, SparseMoE):
             slot = layer.mlp.layer_slot
             table = addresses[slot] if addresses is not None else None
-            out = layer.mlp(h, table, routed[slot] if routed is not None else None)
+            pending = layer.mlp(h, table, routed[slot] if routed is not None else None)
         else:
-            out = layer.mlp(h)
+            pending = layer.mlp(h)
         if hyper:
-            streams = HyperConnection.inject(streams, out, weights)
-        else:
-            x = x + out
-    return model.logits(model.model.hyper_connection_mixer(streams)[0] if hyper else model.model.norm(x))
+            streams = HyperConnection.inject(streams, pending, weights)
+    if hyper:
+        return model.logits(model.model.hyper_connection_mixer(streams)[0])
+    return model.logits(model.model.norm.after(x, pending)[1])
 
 
 class CudaDecoder:

@@ -37,6 +37,8 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype) -> torch.
     for module in model.modules():  # non-persistent buffers were built on the meta device
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
+        if hasattr(module, "fuse_projections"):
+            module.fuse_projections()
     attach_ngram_tables(model, store)
     return model.eval().requires_grad_(False)
 

@@ -39,6 +39,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return reference.rms_norm(x, weight, eps, zero_centered)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, its RMSNorm) (reference.add_rms_norm), one launch on the GPU."""
+    if use_triton(x.device):
+        from moestream.kernels import rowwise
+
+        return rowwise.rms_norm(x, weight, eps, zero_centered, residual)
+    return reference.add_rms_norm(x, residual, weight, eps, zero_centered)
+
+
+def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm, k_norm, eps: float,
+                       zero_centered: bool, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """A decode token's q/k norms, rotary and KV cache write (reference.qk_norm_rope_cache)."""
+    args = (qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, zero_centered, cos, sin, k_cache, v_cache, position)
+    if use_triton(qkv.device):
+        from moestream.kernels import rowwise
+
+        return rowwise.qk_norm_rope_cache(*args)
+    return reference.qk_norm_rope_cache(*args)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding (reference.rotary)."""
     if use_triton(x.device):
@@ -46,6 +68,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
         return rowwise.rotary(x, cos, sin)
     return reference.rotary(x, cos, sin)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query token over cache rows 0..position (reference.decode_attention); no host sync on Triton."""
+    if use_triton(q.device):
+        from moestream.kernels import decode_attention as kernel
+
+        return kernel.decode_attention(q, k_cache, v_cache, position, scale)
+    return reference.decode_attention(q, k_cache, v_cache, position, scale)
 
 
 def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype):

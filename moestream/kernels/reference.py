@@ -25,6 +25,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return weight * normed.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, its RMSNorm): the residual stream and the next block's input."""
+    total = x + residual
+    return total, rms_norm(total, weight, eps, zero_centered)
+
+
+def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
+                       k_norm: torch.Tensor | None, eps: float, zero_centered: bool, cos: torch.Tensor,
+                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       position: torch.Tensor) -> torch.Tensor:
+    """One decode token's [q | k | v] projection row qkv [1, width] (q heads may carry a gate half after their
+    query) -> q [1, heads, head_dim], RMS-normed (q_norm, k_norm weights, or none) and rotated; k, normed and
+    rotated, and v are written to the caches [capacity, kv_heads, head_dim] at row `position` [1]."""
+    kv = kv_heads * head_dim
+    q = qkv[:, : qkv.shape[-1] - 2 * kv].view(1, heads, -1)[..., :head_dim]
+    k, v = (part.view(1, kv_heads, head_dim) for part in qkv[:, qkv.shape[-1] - 2 * kv:].split(kv, dim=-1))
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, zero_centered), rms_norm(k, k_norm, eps, zero_centered)
+    q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+    k_cache.index_copy_(0, position, k)
+    v_cache.index_copy_(0, position, v)
+    return q
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of the first cos.shape[-1] dims. x [T, heads, head_dim]; cos, sin [T, rot]."""
     d = cos.shape[-1]
@@ -139,3 +164,14 @@ def _delta_step(q, k, v, g, beta, state):
     delta = (v - (k[:, :, None] * s).sum(1)) * beta[:, None]
     s = s + k[:, :, None] * delta[:, None, :]
     return (q[:, :, None] * s).sum(1)[None], s
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query token q [1, Hq, D] over cache rows 0..position of k_cache, v_cache [C, Hkv, D]; query head h
+    reads kv head h // (Hq // Hkv). Returns [1, Hq, D]."""
+    n = int(position) + 1
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache[:n].transpose(0, 1)[None],
+                                         v_cache[:n].transpose(0, 1)[None], scale=scale,
+                                         enable_gqa=q.shape[1] != k_cache.shape[1])
+    return out[0].transpose(0, 1)

@@ -1,4 +1,5 @@
-"""Launching the row-wise Triton kernels: RMSNorm, the rotary embedding and MoE routing."""
+"""Launching the row-wise Triton kernels: RMSNorm, the rotary embedding, the decode token's attention glue
+and MoE routing."""
 
 from __future__ import annotations
 
@@ -6,16 +7,38 @@ import torch
 import triton
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+             residual: torch.Tensor | None = None):
+    """RMSNorm of x, or with `residual` (x + residual, RMSNorm of it) from one launch."""
     from moestream.kernels.triton.rowwise import rms_norm_kernel
 
     d = x.shape[-1]
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)
-    rms_norm_kernel[(x.numel() // d,)](x, weight, out, eps, D=d, BLOCK=triton.next_power_of_2(d),
-                                      ZERO_CENTERED=zero_centered, num_warps=4 if d >= 1024 else 1)
-    return out
+    total = x if residual is None else torch.empty_like(x)
+    rms_norm_kernel[(x.numel() // d,)](x, x if residual is None else residual.contiguous(), total, weight, out, eps,
+                                      D=d, BLOCK=triton.next_power_of_2(d), ZERO_CENTERED=zero_centered,
+                                      ADD=residual is not None, num_warps=4 if d >= 1024 else 1)
+    return out if residual is None else (total, out)
+
+
+def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
+                       k_norm: torch.Tensor | None, eps: float, zero_centered: bool, cos: torch.Tensor,
+                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       position: torch.Tensor) -> torch.Tensor:
+    """reference.qk_norm_rope_cache in one launch (one token)."""
+    from moestream.kernels.triton.rowwise import qk_norm_rope_cache_kernel
+
+    q_width = qkv.shape[-1] - 2 * kv_heads * head_dim
+    q = torch.empty(1, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    qkv = qkv.contiguous()
+    qk_norm_rope_cache_kernel[(heads + 2 * kv_heads,)](
+        qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos.contiguous(),
+        sin.contiguous(), q, k_cache, v_cache, position, eps, HEADS=heads, KV_HEADS=kv_heads, D=head_dim,
+        Q_STRIDE=q_width // heads, ROT=cos.shape[-1], BLOCK=triton.next_power_of_2(head_dim),
+        QK_NORM=q_norm is not None, ZERO_CENTERED=zero_centered, num_warps=1)
+    return q
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

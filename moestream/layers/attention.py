@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelConfig
+from moestream.kernels import ops
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import apply_rotary
 
@@ -77,16 +78,37 @@ class Attention(nn.Module):
     def new_state(self, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(self.kv_heads, self.head_dim, dtype, device)
 
+    def fuse_projections(self) -> None:
+        """One [q | k | v] weight (and bias) whose slices become the three projections' weights: a decode
+        token's projections are one launch."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        for name in ("weight", "bias") if self.q_proj.bias is not None else ("weight",):
+            fused = torch.cat([getattr(p, name) for p in projections])
+            setattr(self, f"qkv_{name}", fused)
+            for p, part in zip(projections, fused.split([p.out_features for p in projections])):
+                setattr(p, name, nn.Parameter(part, requires_grad=False))
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, q width + 2 * kv width]: q (with its gate halves), k, v side by side."""
+        if hasattr(self, "qkv_weight"):
+            return F.linear(x, self.qkv_weight, getattr(self, "qkv_bias", None))
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def gate_of(self, qkv: torch.Tensor) -> torch.Tensor | None:
+        """The output gate [T, Hq*D] (the second half of each q head's slice), or None."""
+        if not self.output_gate:
+            return None
+        return qkv[:, : self.q_proj.out_features].view(qkv.shape[0], self.heads, -1)[..., self.head_dim:].reshape(
+            qkv.shape[0], -1)
+
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], gate [T, Hq*D] or None."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, -1)
-        gate = None
-        if self.output_gate:
-            q, gate = q.chunk(2, dim=-1)
-            gate = gate.reshape(t, -1)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        t, qkv = x.shape[0], self.qkv(x)
+        q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        q = q.reshape(t, self.heads, -1)[..., : self.head_dim]
+        gate = self.gate_of(qkv)
+        k = k.reshape(t, self.kv_heads, self.head_dim)
+        v = v.reshape(t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -104,20 +126,13 @@ class Attention(nn.Module):
         return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)
 
 
-def visible_positions(cache: KVCache, position: torch.Tensor) -> torch.Tensor:
-    """[capacity] bool: the cache rows a token at `position` attends to (the same for every layer)."""
-    return torch.arange(cache.k.shape[0], device=position.device) <= position
-
-
-def decode_attention(attn: Attention, x: torch.Tensor, rope, position: torch.Tensor, cache: KVCache,
-                     visible: torch.Tensor) -> torch.Tensor:
-    """One token at device-side `position` [1], attending over the whole cache buffer with the `visible`
-    mask, so the shapes never change and the step can be captured in a CUDA graph. The caller advances
-    `cache.length`."""
-    q, k, v, gate = attn.project(x, rope)
-    cache.k.index_copy_(0, position, k)
-    cache.v.index_copy_(0, position, v)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k.transpose(0, 1)[None],
-                                         cache.v.transpose(0, 1)[None], attn_mask=visible[None, None, None, :],
-                                         scale=attn.head_dim ** -0.5, enable_gqa=attn.heads != attn.kv_heads)
-    return attn.finish(out[0].transpose(0, 1), gate)
+def decode_attention(attn: Attention, x: torch.Tensor, rope, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One token at device-side `position` [1] over the cache buffer's rows 0..position, so the shapes never
+    change and the step can be captured in a CUDA graph. The caller advances `cache.length`."""
+    qkv = attn.qkv(x)
+    norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.q_norm.zero_centered) if attn.qk_norm \
+        else (None, None, 0.0, False)
+    q = ops.qk_norm_rope_cache(qkv, attn.heads, attn.kv_heads, attn.head_dim, *norms, *rope, cache.k, cache.v,
+                               position)
+    out = ops.decode_attention(q, cache.k, cache.v, position, attn.head_dim ** -0.5)
+    return attn.finish(out, attn.gate_of(qkv))

@@ -23,6 +23,13 @@ class RMSNorm(nn.Module):
         g = self.group_size  # each group on its own
         return rms_norm(x.unflatten(-1, (-1, g)), self.weight.view(-1, g), self.eps, self.zero_centered).flatten(-2)
 
+    def after(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm) in one launch on the GPU; (x, norm(x)) when there is no residual."""
+        if residual is None or self.group_size is not None:
+            x = x if residual is None else x + residual
+            return x, self(x)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+
 
 class GatedRMSNorm(nn.Module):
     """`w * norm(x) * act(gate)`, the DeltaNet output norm (silu gate, or sigmoid in qwen4_exp)."""

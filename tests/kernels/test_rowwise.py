@@ -60,3 +60,44 @@ def test_route_matches_reference(experts, top_k, normalise):
     want_weights, want_ids = reference.route(logits, top_k, normalise, DTYPE)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 96)])
+def test_add_rms_norm_matches_reference(shape, zero_centered):
+    pytest.importorskip("triton")
+    from moestream.kernels import rowwise
+
+    gen = torch.Generator().manual_seed(3)
+    x, res = ((torch.randn(shape, generator=gen) * 3).to(DEVICE, DTYPE) for _ in range(2))
+    w = (torch.randn(shape[-1], generator=gen) * 0.1 + (0 if zero_centered else 1)).to(DEVICE, DTYPE)
+    total, normed = rowwise.rms_norm(x, w, 1e-6, zero_centered, residual=res)
+    want_total, want_normed = reference.add_rms_norm(x, res, w, 1e-6, zero_centered)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(normed, want_normed)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rot,gated,qk_norm,zero_centered",
+                         [(32, 4, 128, 128, False, True, False), (4, 2, 64, 16, True, True, True),
+                          (4, 4, 32, 32, False, False, False), (8, 2, 256, 64, True, True, True)])
+def test_qk_norm_rope_cache_matches_reference(heads, kv_heads, head_dim, rot, gated, qk_norm, zero_centered):
+    """Every q head (gate halves skipped), the k and v cache rows at `position`, and nothing else written."""
+    pytest.importorskip("triton")
+    from moestream.kernels import rowwise
+    from moestream.layers.rotary import Rotary
+
+    gen = torch.Generator().manual_seed(4)
+    width = heads * head_dim * (2 if gated else 1) + 2 * kv_heads * head_dim
+    qkv = (torch.randn(1, width, generator=gen) * 2).to(DEVICE, DTYPE)
+    norms = [(torch.randn(head_dim, generator=gen) * 0.1 + (0 if zero_centered else 1)).to(DEVICE, DTYPE)
+             if qk_norm else None for _ in range(2)]
+    position = torch.tensor([5], device=DEVICE)
+    cos, sin = (t.to(DEVICE) for t in Rotary(head_dim, rot / head_dim, 1e6).cos_sin(position, DTYPE))
+    caches = [torch.full((9, kv_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE) for _ in range(4)]
+    args = (qkv, heads, kv_heads, head_dim, *norms, 1e-6, zero_centered, cos, sin)
+    q = rowwise.qk_norm_rope_cache(*args, caches[0], caches[1], position)
+    want = reference.qk_norm_rope_cache(*args, caches[2], caches[3], position)
+    assert q.shape == want.shape == (1, heads, head_dim)
+    torch.testing.assert_close(q, want)
+    for got, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got, ref, equal_nan=True)  # row 5 written, the others still NaN

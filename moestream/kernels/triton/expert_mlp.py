@@ -8,6 +8,7 @@ the ring, or mapped pinned host memory) applied to `tile_count[t]` routing entri
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -252,11 +253,14 @@ def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: t
 def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh,
                         off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                         BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        PREFETCH: tl.constexpr):
+                        PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
     PREFETCH loads chunk k0 + BK before computing chunk k0 (Triton's pipeliner leaves loads that feed no
-    tl.dot alone), so a warp keeps a chunk of HBM reads in flight while it computes."""
+    tl.dot alone), so a warp keeps a chunk of HBM reads in flight while it computes. PDL lets the down
+    kernel start early (programmatic dependent launch), to read its weights while this one runs."""
+    if PDL:
+        gdc_launch_dependents()
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
     base = _record(tile_addr_ptr, i)
@@ -288,8 +292,9 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh
 @triton.jit
 def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_dh, off_ds, off_db, field_mask,
                      H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, PREFETCH: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH as in gate_up_gemv_kernel)."""
+                     BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH as in gate_up_gemv_kernel). Launched with PDL it may
+    start before gate_up has finished: the first chunk's weights load before it waits for h."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
     base = _record(tile_addr_ptr, i)
@@ -297,14 +302,16 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_dh, o
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     acc = tl.zeros((BN, W), dtype=tl.float32)
     hrow = h_ptr + i * I
-    if PREFETCH:
-        dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK)
-        for k0 in range(0, I, BK):
+    dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK)
+    if PDL:
+        gdc_wait()  # h is the gate/up kernel's output
+    for k0 in range(0, I, BK):
+        if PREFETCH:  # the next chunk in flight while this one computes (past I: masked, nothing read)
             dw_next, dh_next = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK)
             acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
             dw, dh = dw_next, dh_next
-    else:
-        for k0 in range(0, I, BK):
-            dw, dh = _gemv_load(base, off_dw, off_dh, n, k0, I, BITS, BK)
+        else:
             acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
+            if k0 + BK < I:
+                dw, dh = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK)
     tl.store(y_ptr + e * H + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))

@@ -1,5 +1,6 @@
 """Row-wise glue of the attention block, each one launch instead of the torch version's several: RMSNorm
-(one program per row), the rotary embedding (one program per token and head) and MoE routing (one
+(one program per row, optionally after the residual add), the rotary embedding (one program per token and
+head), a decode token's q/k norms, rotary and cache write (one program per head) and MoE routing (one
 program per token)."""
 
 import triton
@@ -7,19 +8,29 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """out[r] = w * norm(x[r]) (the normed row rounded to x's dtype first, as the reference does), or
-    (1 + w) * norm(x[r]) with ZERO_CENTERED."""
+def _normed(x, inv_rms, w, dt, ZERO_CENTERED: tl.constexpr):
+    """RMSNorm of fp32 x given 1 / rms(x), in fp32 (the plain form rounds norm(x) to `dt` first, as the
+    reference does)."""
+    if ZERO_CENTERED:
+        return x * inv_rms * (1.0 + w)
+    return w * (x * inv_rms).to(dt).to(tl.float32)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr,
+                    ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr):
+    """out[r] = w * norm(x[r]), or (1 + w) * norm(x[r]) with ZERO_CENTERED. With ADD the row is first
+    x[r] + res[r], rounded to x's dtype and stored to sum[r] (the residual stream, in the same launch)."""
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     inside = d < D
     x = tl.load(x_ptr + r * D + d, mask=inside, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    if ADD:
+        x = (x + tl.load(res_ptr + r * D + d, mask=inside, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + r * D + d, x, mask=inside)
+        x = x.to(tl.float32)
     w = tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        y = normed * (1.0 + w)
-    else:
-        y = w * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = _normed(x, tl.rsqrt(tl.sum(x * x, axis=0) / D + eps), w, x_ptr.dtype.element_ty, ZERO_CENTERED)
     tl.store(out_ptr + r * D + d, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -72,3 +83,46 @@ def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, BLOCK: tl.co
         chosen_p = chosen_p / tl.sum(chosen_p, axis=0)
     tl.store(weights_ptr + r * TOP_K + k, chosen_p.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
     tl.store(ids_ptr + r * TOP_K + k, chosen_e, mask=k < TOP_K)
+
+
+@triton.jit
+def qk_norm_rope_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                              eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                              Q_STRIDE: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
+                              QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """One decode token's attention glue, program h = one head of the fused [q | k | v] projection row:
+    q heads (every Q_STRIDE, gate halves skipped) and k heads are RMS-normed (QK_NORM) and rotated into
+    q / the cache row at *pos_ptr; v heads are copied there. Rounds where rms_norm and rotary round."""
+    h = tl.program_id(0)
+    pos = tl.load(pos_ptr)
+    d = tl.arange(0, BLOCK)
+    inside = d < D
+    dt = qkv_ptr.dtype.element_ty
+    Q_WIDTH: tl.constexpr = HEADS * Q_STRIDE
+    if h >= HEADS + KV_HEADS:  # v
+        j = h - HEADS - KV_HEADS
+        row = tl.load(qkv_ptr + Q_WIDTH + (KV_HEADS + j) * D + d, mask=inside)
+        tl.store(v_cache_ptr + (pos * KV_HEADS + j) * D + d, row, mask=inside)
+    else:
+        if h < HEADS:
+            src, w_ptr, dst = qkv_ptr + h * Q_STRIDE, qw_ptr, q_ptr + h * D
+        else:
+            src, w_ptr = qkv_ptr + Q_WIDTH + (h - HEADS) * D, kw_ptr
+            dst = k_cache_ptr + (pos * KV_HEADS + h - HEADS) * D
+        HALF: tl.constexpr = ROT // 2
+        # each rotary dim's rotate-half partner and sign; dims past ROT pass through (their partner is themselves)
+        partner = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        x = tl.load(src + d, mask=inside, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner, mask=inside, other=0.0).to(tl.float32)
+        if QK_NORM:
+            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            x = _normed(x, inv_rms, tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32), dt, ZERO_CENTERED)
+            xp = _normed(xp, inv_rms, tl.load(w_ptr + partner, mask=inside, other=0.0).to(tl.float32), dt,
+                         ZERO_CENTERED)
+            x, xp = x.to(dt).to(tl.float32), xp.to(dt).to(tl.float32)
+        rot = d < ROT
+        c = tl.load(cos_ptr + d, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + d, mask=rot, other=0.0).to(tl.float32)
+        y = tl.where(rot, (x * c).to(dt).to(tl.float32) + (sign * xp * s).to(dt).to(tl.float32), x)
+        tl.store(dst + d, y.to(dt), mask=inside)

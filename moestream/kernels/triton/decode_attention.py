@@ -1,0 +1,68 @@
+"""Decode attention, flash-decoding style: one query token over a fixed-size KV cache of which rows
+0..position (read from a device tensor) are live. A split kernel (grid (kv heads, SPLITS)) runs an online
+softmax over its slice of positions for the G query heads sharing a kv head; a combine kernel (grid
+(query heads,)) merges the SPLITS partials. The grids depend on the cache size alone, so one captured CUDA
+graph serves every step."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, qk_scale, C,
+                                  HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                                  GP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
+                                  SPLITS: tl.constexpr):
+    """Partials of split s for kv head hk: acc [G, D] = sum_n p_n v_n, m = max score, l = sum_n p_n, with
+    scores in log2 units (qk_scale = scale * log2(e)). An empty split leaves m = -inf, l = 0, acc = 0."""
+    hk = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    # GP >= 16 rows so tl.dot applies; rows past G are zero queries whose results are never stored
+    heads = hk * G + g
+    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0)
+    end = tl.minimum(tl.load(pos_ptr) + 1, C)
+    start = s * SPLIT_LEN
+    stop = tl.minimum(start + SPLIT_LEN, end)
+    m = tl.full((GP,), float("-inf"), tl.float32)
+    l = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        live = n < stop
+        rows = n.to(tl.int64)[:, None] * (HKV * D) + hk * D + d[None, :]
+        # masked loads: rows past `position` may hold anything (even NaN) and must never be read
+        k = tl.load(k_ptr + rows, mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + rows, mask=live[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        # every block holds a live position, so m_new is finite and p is exactly 0 where masked
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    part = heads * SPLITS + s
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+    tl.store(m_ptr + part, m, mask=g < G)
+    tl.store(l_ptr + part, l, mask=g < G)
+
+
+@triton.jit
+def decode_attention_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
+                                    SPLITS_P: tl.constexpr):
+    """out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, in a fixed order (deterministic)."""
+    h = tl.program_id(0)
+    i = tl.arange(0, SPLITS_P)
+    # split 0 always holds position 0, so the max is finite and empty splits weigh exactly 0
+    m = tl.load(m_ptr + h * SPLITS + i, mask=i < SPLITS, other=float("-inf"))
+    big = tl.max(m, axis=0)
+    den = tl.sum(tl.exp2(m - big) * tl.load(l_ptr + h * SPLITS + i, mask=i < SPLITS, other=0.0), axis=0)
+    d = tl.arange(0, D)
+    num = tl.zeros((D,), tl.float32)
+    for s in range(SPLITS):
+        w = tl.exp2(tl.load(m_ptr + h * SPLITS + s) - big)
+        num += w * tl.load(acc_ptr + (h * SPLITS + s) * D + d)
+    tl.store(out_ptr + h * D + d, (num / den).to(out_ptr.dtype.element_ty))
