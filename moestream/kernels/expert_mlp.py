@@ -90,27 +90,31 @@ def _offsets(layout: RecordLayout) -> dict:
 
 def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, addr: torch.Tensor,
                   layout: RecordLayout, top_k: int, h: torch.Tensor | None = None,
-                  cfg: TileConfig | None = None) -> None:
-    """Routing entry entries[i] computed with the record at addr[i], as GEMVs that never unpack a tile.
-    x [T, H]; out [T * top_k, H]."""
+                  cfg: TileConfig | None = None, records: torch.Tensor | None = None) -> None:
+    """Routing entry entries[i] computed with the record at addr[i] (or at addr[records[i]]: addr a layer's
+    table by expert id), as GEMVs that never unpack a tile. x [T, H]; out [T * top_k, H]."""
     from moestream.kernels.triton.expert_mlp import down_gemv_kernel, gate_up_gemv_kernel
 
     cfg = cfg or tile_config("decode", layout)
     hidden, inter, o, bits = layout.hidden_size, layout.intermediate_size, _offsets(layout), layout.bits
     # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's low plane holds two of its bits
     field_mask = 0 if bits == 16 else ((1 << (2 if bits == 3 else bits)) - 1) << (23 - bits)
-    h = torch.empty(addr.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
+    n, group = entries.shape[0], layout.group_size or 64
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device) if h is None else h
+    indirect = records is not None
+    records = records if indirect else entries  # unread unless indirect
     # decode "stages": 2 = the next chunk's loads in flight while one computes
     (warps_down, stages_down), prefetch = cfg.down, cfg.num_stages > 1
     pdl = x.is_cuda and _dependent_launch(x.device)
-    gate_up_gemv_kernel[(addr.shape[0], inter // cfg.bn_gate_up)](
-        x, h, entries, addr, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"], o["up_s"],
-        o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=layout.group_size or 64,
-        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, PDL=pdl, num_warps=cfg.num_warps, num_stages=1)
-    down_gemv_kernel[(addr.shape[0], hidden // cfg.bn_down)](
-        h, out, entries, addr, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask, H=hidden, I=inter,
-        BITS=bits, GROUP=layout.group_size or 64, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=stages_down > 1,
-        PDL=pdl, num_warps=warps_down, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+    gate_up_gemv_kernel[(n, inter // cfg.bn_gate_up)](
+        x, h, entries, addr, records, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"],
+        o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group,
+        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, PDL=pdl, INDIRECT=indirect,
+        num_warps=cfg.num_warps, num_stages=1)
+    down_gemv_kernel[(n, hidden // cfg.bn_down)](
+        h, out, entries, addr, records, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask, H=hidden,
+        I=inter, BITS=bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=stages_down > 1, PDL=pdl,
+        INDIRECT=indirect, num_warps=warps_down, num_stages=1, **({"launch_pdl": True} if pdl else {}))
 
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
@@ -214,7 +218,8 @@ def _identity(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
-def per_entry(x: torch.Tensor, addr: torch.Tensor, layout: RecordLayout, top_k: int, out: torch.Tensor) -> None:
-    """Graph mode: routing entry e = row * top_k + k reads the record at `addr[e]` (a device tensor), so a
-    decode step needs no host decision."""
-    launch_decode(x, out, _identity(addr.shape[0], x.device), addr, layout, top_k)
+def per_entry(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, layout: RecordLayout, top_k: int,
+              out: torch.Tensor) -> None:
+    """Graph mode: routing entry e = row * top_k + k reads the record at `table[ids[e]]` (a layer's device
+    table of record addresses by expert id), so a decode step needs no host decision."""
+    launch_decode(x, out, _identity(ids.shape[0], x.device), table, layout, top_k, records=ids)

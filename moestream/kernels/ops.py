@@ -80,13 +80,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return reference.decode_attention(q, k_cache, v_cache, position, scale)
 
 
-def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype):
-    """Softmax top-k routing (reference.route)."""
+def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype,
+          ids_out: torch.Tensor | None = None):
+    """Softmax top-k routing (reference.route); the ids land in `ids_out` when given."""
     if use_triton(logits.device):
         from moestream.kernels import rowwise
 
-        return rowwise.route(logits, top_k, normalise, dtype)
-    return reference.route(logits, top_k, normalise, dtype)
+        return rowwise.route(logits, top_k, normalise, dtype, ids_out)
+    weights, ids = reference.route(logits, top_k, normalise, dtype)
+    if ids_out is None:
+        return weights, ids
+    return weights, ids_out.view(ids.shape).copy_(ids)
 
 
 def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
@@ -101,9 +105,9 @@ def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout
         reference.expert_group(x, buffer, slots, layout, spans, order, top_k, out)
 
 
-def expert_entries(x: torch.Tensor, addresses: torch.Tensor, layout: RecordLayout, top_k: int,
+def expert_entries(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, layout: RecordLayout, top_k: int,
                    out: torch.Tensor) -> None:
-    """Routing entry e = row * top_k + k computed with the record at device address `addresses[e]`."""
+    """Routing entry e = row * top_k + k computed with the record at device address `table[ids[e]]`."""
     from moestream.kernels import expert_mlp
 
-    expert_mlp.per_entry(x, addresses, layout, top_k, out)
+    expert_mlp.per_entry(x, table, ids, layout, top_k, out)

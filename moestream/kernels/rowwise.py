@@ -54,13 +54,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype):
-    """logits [T, E] -> (weights [T, top_k] in `dtype`, expert ids [T, top_k] int64)."""
+def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype,
+          ids_out: torch.Tensor | None = None):
+    """logits [T, E] -> (weights [T, top_k] in `dtype`, expert ids [T, top_k] int64, in `ids_out` if given)."""
     from moestream.kernels.triton.rowwise import route_kernel
 
     t, experts = logits.shape
     weights = torch.empty(t, top_k, dtype=dtype, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device) if ids_out is None else ids_out.view(t, top_k)
     route_kernel[(t,)](logits.contiguous(), weights, ids, E=experts, BLOCK=triton.next_power_of_2(experts),
                        TOP_K=top_k, K_BLOCK=triton.next_power_of_2(top_k), NORMALISE=normalise,
                        num_warps=4 if experts >= 256 else 1)

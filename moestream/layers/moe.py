@@ -25,15 +25,14 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, addresses: torch.Tensor | None = None,
                 routed: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. With `addresses` ([num_experts] int64 record addresses on the device) the
-        experts are read in place with no host decision (a CUDA-graph decode step), and their ids are
-        copied to `routed` [T * top_k] for the counters; else through the provider's batches."""
+        experts are read in place with no host decision (a CUDA-graph decode step), and the routing writes their
+        ids to `routed` [T * top_k] for the counters; else through the provider's batches."""
         t, h = x.shape
-        weights, ids = ops.route(self.gate(x), self.top_k, self.normalise, x.dtype)
+        weights, ids = ops.route(self.gate(x), self.top_k, self.normalise, x.dtype,
+                                 routed if addresses is not None else None)
         y = x.new_empty(t * self.top_k, h)
         if addresses is not None:
-            ops.expert_entries(x, addresses[ids.reshape(-1)], self.provider.layout, self.top_k, y)
-            if routed is not None:
-                routed.copy_(ids.reshape(-1))
+            ops.expert_entries(x, addresses, ids.reshape(-1), self.provider.layout, self.top_k, y)
         else:
             for b in self.provider.batches(self.layer_slot, ids, x):
                 ops.expert_group(x, b.buffer, b.slots, b.layout, b.spans, b.order, self.top_k, y)

@@ -90,6 +90,29 @@ def test_repeated_slot():
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
+@pytest.mark.parametrize("precision", ["q4", "bf16"])
+def test_per_entry_reads_the_table_by_expert_id(precision):
+    """Graph mode: entry e reads the record at table[ids[e]], a layer's table of addresses by expert id (with
+    repeats: two rows may pick one expert)."""
+    from moestream.kernels import expert_mlp
+
+    gen = torch.Generator().manual_seed(4)
+    layout = RecordLayout.build(precision, 128, 64)
+    buf = make_buffer(layout, 5, gen)
+    x = torch.randn(3, 128, generator=gen).to(DEVICE, DTYPE)
+    table = torch.tensor([buf[s].data_ptr() for s in (4, 0, 2, 1)], device=DEVICE)  # expert -> slot 4, 0, 2, 1
+    ids = torch.tensor([3, 0, 2, 3, 1, 0], device=DEVICE)
+    out = torch.full((6, 128), float("nan"), dtype=DTYPE, device=DEVICE)
+    expert_mlp.per_entry(x, table, ids, layout, 2, out)
+    want = torch.empty_like(out)
+    slot_of = (4, 0, 2, 1)
+    for e, expert in enumerate(ids.tolist()):
+        entry = torch.tensor([e], device=DEVICE)
+        reference.expert_group(x, buf, [slot_of[expert]], layout, [(0, 1)], entry, 2, want)
+    assert not torch.isnan(out).any()
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
 def test_decode_bf16_activations(precision):
     """Decode reads bf16 activations two per 32-bit load; the arithmetic stays fp32."""

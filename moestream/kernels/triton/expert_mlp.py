@@ -250,20 +250,21 @@ def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: t
 
 
 @triton.jit
-def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh,
-                        off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                        BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        PREFETCH: tl.constexpr, PDL: tl.constexpr):
+def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, off_gw, off_gh, off_gs, off_gb,
+                        off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
+                        TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
     PREFETCH loads chunk k0 + BK before computing chunk k0 (Triton's pipeliner leaves loads that feed no
     tl.dot alone), so a warp keeps a chunk of HBM reads in flight while it computes. PDL lets the down
-    kernel start early (programmatic dependent launch), to read its weights while this one runs."""
+    kernel start early (programmatic dependent launch), to read its weights while this one runs. INDIRECT:
+    program i's record address is tile_addr[records[i]] (a layer's address table indexed by expert id)."""
     if PDL:
         gdc_launch_dependents()
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
-    base = _record(tile_addr_ptr, i)
+    base = _record(tile_addr_ptr, tl.load(records_ptr + i) if INDIRECT else i)
     xrow = x_ptr + (e // TOP_K) * H
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
@@ -290,14 +291,15 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, off_gw, off_gh
 
 
 @triton.jit
-def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, off_dw, off_dh, off_ds, off_db, field_mask,
-                     H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH as in gate_up_gemv_kernel). Launched with PDL it may
-    start before gate_up has finished: the first chunk's weights load before it waits for h."""
+def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, off_dw, off_dh, off_ds, off_db,
+                     field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                     INDIRECT: tl.constexpr):
+    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH, INDIRECT as in gate_up_gemv_kernel). Launched with PDL
+    it may start before gate_up has finished: the first chunk's weights load before it waits for h."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
-    base = _record(tile_addr_ptr, i)
+    base = _record(tile_addr_ptr, tl.load(records_ptr + i) if INDIRECT else i)
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     acc = tl.zeros((BN, W), dtype=tl.float32)
