@@ -13,6 +13,7 @@ TUNED=/tmp/expert_mlp.tuned.json
 STATE_DIR=/tmp/suite-state
 [ -f "$TUNED" ] && cp "$TUNED" moestream/kernels/configs/expert_mlp.json  # this checkout is the local one again
 [ -n "${SUITE_STATE:-}" ] && mkdir -p $STATE_DIR && cp "$SUITE_STATE" $STATE_DIR/suite.json
+s12() { [ -f /tmp/s12/manifest.json ] || python -m benchmarks.synthetic /tmp/s12 --geometry qwen3-30b --layers 12; }  # 12 layers, 6 GB
 wait_stores() { [ -f /tmp/stores.pid ] && while kill -0 "$(cat /tmp/stores.pid)" 2>/dev/null; do sleep 2; done; true; }
 suite() {  # suite SECONDS STAGE ARGS...: state carried in $STATE_DIR between stages and calls
   local limit=$1; shift
@@ -37,11 +38,10 @@ for stage in "$@"; do
     e2e) wait_stores; timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     overlap) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --prefill --fracs 0.25 --lengths 4096 \
              --host-gb 24 --warm 2>&1 | tee "$OUT/overlap.log" | tail -8 ;;
-    overlap-trace) [ -f /tmp/s12/manifest.json ] || python -m benchmarks.synthetic /tmp/s12 --geometry qwen3-30b --layers 12
+    overlap-trace) s12
              timeout 240 python -m benchmarks.bench_e2e /tmp/s12 --prefill --fracs 0.25,1.0 --lengths 4096 --host-gb 8 \
-             --warm --trace --ring-groups 8,16 --ring-lookahead off,on 2>&1 | tee "$OUT/overlap-trace.log" | tail -12
-             timeout 120 python -m benchmarks.bench_e2e /tmp/s12 --decode --profile 2>&1 | tee "$OUT/decode-s12.log" | tail -8
-             rm -rf /tmp/s12 ;;  # the suite's stores left room on the 64 GB disk for the low-bit variants only
+             --warm --trace --ring-groups 8,16 --ring-lookahead off,on 2>&1 | tee "$OUT/overlap-trace.log" | tail -12 ;;
+    decode-s12) s12; timeout 150 python -m benchmarks.bench_e2e /tmp/s12 --decode --profile 2>&1 | tee "$OUT/decode-s12.log" | tail -40 ;;
     limits) wait_stores; suite 120 limits ;;
     suite-30b) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes q4 ;;
     suite-lowbit) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes low-bit ;;
@@ -50,6 +50,7 @@ for stage in "$@"; do
   esac
 done
 wait_stores
+rm -rf /tmp/s12  # the suite's stores leave room on the 64 GB disk for the low-bit variants only
 [ -f /tmp/stores.log ] && cp /tmp/stores.log "$OUT/"
 echo "=== done $(date +%T)"
 tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
