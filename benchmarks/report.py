@@ -94,6 +94,12 @@ def write_report(path: str) -> None:
     out += [f"Note: {note}\n" for note in state.get("notes", [])]
     for model in sorted({_model(r) for r in runs}):
         out += [f"## {model}", "", *table(runs, model), ""]
+        commits = {}
+        for r in runs:
+            if _model(r) == model and r.get("commit"):
+                commits.setdefault(r["commit"], set()).add(r["engine"])
+        if len(commits) > 1:  # rows carried over from an earlier run of the suite
+            out += ["Rows by commit: " + "; ".join(f"{c}: {', '.join(sorted(e))}" for c, e in commits.items()), ""]
     out += ["## Targets (issue 7, 30B geometry)", "", *targets(runs), ""]
     if any(r["engine"].startswith("moestream q") for r in runs):
         out += ["## Low-bit experts against Q4 (issue 8, 30B geometry, pool 25%)", "", *low_bit(runs), ""]

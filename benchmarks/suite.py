@@ -203,11 +203,14 @@ def main() -> None:
     elif args.stage in ("moestream", "peers"):
         earlier = state["runs"]
 
+        commit = machine()["commit"]
+
         def save(runs: list[dict], rates: dict | None = None) -> None:
             state.setdefault("hit_rates", {}).update(rates or {})
             lim = state.get("limits")
             for r in runs:
                 r["bound"] = _bound(r, lim) if lim and r["engine"].startswith("moestream") else None
+                r.setdefault("commit", commit)  # a state carried over calls may hold rows of several commits
             replaced = {(r.get("model"), r["engine"]) for r in runs}
             state["runs"] = [r for r in earlier if (r.get("model"), r["engine"]) not in replaced] + runs
             _save(args.out, state)

