@@ -155,13 +155,15 @@ def test_decode_with_prefetch(precision):
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
-def test_prefill_with_tiles_of_256_rows():
-    """BM 256 tiles (a whole expert's rows at 4096 tokens): one tile may hold every entry of an expert."""
+@pytest.mark.parametrize("precision,unpack", [("q4", 1), ("q3", 0), ("q3", 1), ("q2", 1)])
+def test_prefill_with_tiles_of_256_rows(precision, unpack):
+    """BM 256 tiles (a whole expert's rows at 4096 tokens): one tile may hold every entry of an expert; each
+    precision's codes unpacked per code (0) or per word (1)."""
     from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
     gen = torch.Generator().manual_seed(4)
-    layout = RecordLayout.build("q4", 128, 64)
+    layout = RecordLayout.build(precision, 128, 64)
     buf = make_buffer(layout, 2, gen)
     rows, top_k = 150, 2
     x = torch.randn(rows, 128, generator=gen).to(DEVICE, DTYPE)
@@ -170,7 +172,7 @@ def test_prefill_with_tiles_of_256_rows():
     meta = torch.tensor([[buf[0].data_ptr(), buf[1].data_ptr()], [0, rows], [rows, rows]], device=DEVICE)
     out = torch.full((rows * top_k, 128), float("nan"), dtype=DTYPE, device=DEVICE)
     expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k,
-                              cfg=TileConfig(256, 64, 64, 64, 64, 8, 2, 1))
+                              cfg=TileConfig(256, 64, 64, 64, 64, 8, 2, unpack))
     want = torch.empty_like(out)
     reference.expert_group(x, buf, [0, 1], layout, [(0, rows), (rows, 2 * rows)], order, top_k, want)
     assert not torch.isnan(out).any()

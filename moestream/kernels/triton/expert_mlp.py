@@ -49,7 +49,7 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.co
     WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
     PER: tl.constexpr = 32 // WBITS  # `code_mask` = (1 << WBITS) - 1
     wptr = (base + off_w).to(tl.pointer_type(tl.int32))
-    if UNPACK == 0 or BITS == 3:
+    if UNPACK == 0:
         words = tl.load(wptr + rows[:, None] * (K // PER) + (cols[None, :] // PER))
         codes = (words >> ((cols[None, :] % PER) * WBITS)) & code_mask
         if BITS == 3:
@@ -60,8 +60,13 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.co
         return _as_float(codes) * s + b
     wcols = k0 // PER + tl.arange(0, BK // PER)
     words = tl.load(wptr + rows[:, None] * (K // PER) + wcols[None, :])  # [BN, BK / PER]
-    shifts = tl.arange(0, PER) * BITS
-    codes = _as_float((words[:, :, None] >> shifts[None, None, :]) & code_mask)  # [BN, BK / PER, PER]
+    fields = tl.arange(0, PER)
+    codes = (words[:, :, None] >> (fields * WBITS)[None, None, :]) & code_mask  # [BN, BK / PER, PER]
+    if BITS == 3:  # the high bits of word w's 16 codes are 16-bit word w of the `_h` plane (little-endian)
+        hptr = (base + off_h).to(tl.pointer_type(tl.int16))
+        high = tl.load(hptr + rows[:, None] * (K // 16) + wcols[None, :]).to(tl.int32)
+        codes = codes | (((high[:, :, None] >> fields[None, None, :]) & 1) << 2)
+    codes = _as_float(codes)
     gcols = k0 // GROUP + tl.arange(0, BK // GROUP)
     scale, bias = _affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + gcols[None, :], BITS)
     w = tl.reshape(codes, (BN, BK // GROUP, GROUP)) * scale[:, :, None] + bias[:, :, None]
