@@ -45,7 +45,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if use_triton(x.device):
         from moestream.kernels import rowwise
 
-        return rowwise.rms_norm(x, weight, eps, zero_centered, residual)
+        return rowwise.add_rms_norm(x, residual, weight, eps, zero_centered)
     return reference.add_rms_norm(x, residual, weight, eps, zero_centered)
 
 

@@ -7,9 +7,17 @@ import torch
 import triton
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
-             residual: torch.Tensor | None = None):
-    """RMSNorm of x, or with `residual` (x + residual, RMSNorm of it) from one launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    return _rms_norm(x, None, weight, eps, zero_centered)[1]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, its RMSNorm) from one launch."""
+    return _rms_norm(x, residual.contiguous(), weight, eps, zero_centered)
+
+
+def _rms_norm(x, residual, weight, eps, zero_centered) -> tuple[torch.Tensor, torch.Tensor]:
     from moestream.kernels.triton.rowwise import rms_norm_kernel
 
     d = x.shape[-1]
@@ -17,10 +25,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     out = torch.empty(x.shape, dtype=x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)
     total = x if residual is None else torch.empty_like(x)
-    rms_norm_kernel[(x.numel() // d,)](x, x if residual is None else residual.contiguous(), total, weight, out, eps,
-                                      D=d, BLOCK=triton.next_power_of_2(d), ZERO_CENTERED=zero_centered,
+    rms_norm_kernel[(x.numel() // d,)](x, x if residual is None else residual, total, weight, out, eps, D=d,
+                                      BLOCK=triton.next_power_of_2(d), ZERO_CENTERED=zero_centered,
                                       ADD=residual is not None, num_warps=4 if d >= 1024 else 1)
-    return out if residual is None else (total, out)
+    return total, out
 
 
 def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,

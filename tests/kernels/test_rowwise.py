@@ -71,7 +71,7 @@ def test_add_rms_norm_matches_reference(shape, zero_centered):
     gen = torch.Generator().manual_seed(3)
     x, res = ((torch.randn(shape, generator=gen) * 3).to(DEVICE, DTYPE) for _ in range(2))
     w = (torch.randn(shape[-1], generator=gen) * 0.1 + (0 if zero_centered else 1)).to(DEVICE, DTYPE)
-    total, normed = rowwise.rms_norm(x, w, 1e-6, zero_centered, residual=res)
+    total, normed = rowwise.add_rms_norm(x, res, w, 1e-6, zero_centered)
     want_total, want_normed = reference.add_rms_norm(x, res, w, 1e-6, zero_centered)
     assert torch.equal(total, want_total)
     torch.testing.assert_close(normed, want_normed)
