@@ -70,6 +70,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return reference.rotary(x, cos, sin)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias (reference.linear); one token's on the GPU as a Triton GEMV (`MOESTREAM_DENSE=torch`
+    keeps cuBLAS, to time them against each other)."""
+    if x.shape[0] == 1 and use_triton(x.device) and os.environ.get("MOESTREAM_DENSE") != "torch":
+        from moestream.kernels import dense_gemv
+
+        return dense_gemv.dense_gemv(x, weight, bias)
+    return reference.linear(x, weight, bias)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One query token over cache rows 0..position (reference.decode_attention); no host sync on Triton."""

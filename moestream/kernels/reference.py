@@ -96,6 +96,10 @@ def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout
         out[flat] = (F.silu(rows @ gate.T) * (rows @ up.T)) @ down.T
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
 def combine_topk(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [T, K, H] unweighted expert outputs, weights [T, K] -> [T, H]: one batched product, so the sum
     over k runs in the same order whatever was resident."""

@@ -91,7 +91,7 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, q width + 2 * kv width]: q (with its gate halves), k, v side by side."""
         if hasattr(self, "qkv_weight"):
-            return F.linear(x, self.qkv_weight, getattr(self, "qkv_bias", None))
+            return ops.linear(x, self.qkv_weight, getattr(self, "qkv_bias", None))
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def gate_of(self, qkv: torch.Tensor) -> torch.Tensor | None:
@@ -118,7 +118,7 @@ class Attention(nn.Module):
         out = out.reshape(out.shape[0], -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
         q, k, v, gate = self.project(x, rope)

@@ -28,7 +28,7 @@ class SparseMoE(nn.Module):
         experts are read in place with no host decision (a CUDA-graph decode step), and the routing writes their
         ids to `routed` [T * top_k] for the counters; else through the provider's batches."""
         t, h = x.shape
-        weights, ids = ops.route(self.gate(x), self.top_k, self.normalise, x.dtype,
+        weights, ids = ops.route(ops.linear(x, self.gate.weight), self.top_k, self.normalise, x.dtype,
                                  routed if addresses is not None else None)
         y = x.new_empty(t * self.top_k, h)
         if addresses is not None:

@@ -1,0 +1,24 @@
+"""Launching the dense GEMV: a decode token's attention projections and router, one launch each (cuBLAS ran
+the [q|k|v] projection as a split-K GEMM plus a reduction kernel, at about half the HBM rate)."""
+
+from __future__ import annotations
+
+import torch
+
+BK = 512  # K chunk: four 16-byte loads a thread at 4 warps and BN 8
+MIN_PROGRAMS = 1024  # enough blocks that every SM keeps several in flight
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [1, K] -> [1, N] = x @ weight.T (+ bias); weight [N, K] contiguous."""
+    from moestream.kernels.triton.dense_gemv import dense_gemv_kernel
+
+    n, k = weight.shape
+    bn = 8
+    while bn > 1 and n // bn < MIN_PROGRAMS:  # small N: fewer rows a block, so that the blocks fill the GPU
+        bn //= 2
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    dense_gemv_kernel[(-(-n // bn),)](x.contiguous(), weight, weight if bias is None else bias, y, n, K=k, BN=bn,
+                                     BK=min(BK, 1 << (k - 1).bit_length()), HAS_BIAS=bias is not None,
+                                     num_warps=4)
+    return y

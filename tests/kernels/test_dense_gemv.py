@@ -1,0 +1,29 @@
+"""The dense GEMV equals F.linear for one token: the attention projections' and router's shapes, K not a
+multiple of the chunk, small N, with and without bias. Runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.interpretable]
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+DTYPE = torch.float32 if INTERPRET else torch.bfloat16
+
+
+@pytest.mark.parametrize("n,k,bias", [(5120, 2048, False), (2048, 4096, False), (128, 2048, False),
+                                      (3, 96, True), (640, 2560, True)])
+def test_matches_linear(n, k, bias):
+    pytest.importorskip("triton")
+    from moestream.kernels.dense_gemv import dense_gemv
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, DTYPE)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, DTYPE)
+    b = torch.randn(n, generator=gen).to(DEVICE, DTYPE) if bias else None
+    got = dense_gemv(x, w, b)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == (1, n) and got.dtype == DTYPE
+    torch.testing.assert_close(got.float(), want, **({} if INTERPRET else dict(atol=2e-2, rtol=2e-2)))
