@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.experts.format import RecordLayout
+from moestream.kernels.launch import dependent, options
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "expert_mlp.json")
 
@@ -75,12 +76,6 @@ def _fit(block: int, dim: int) -> int:
 
 
 @functools.cache
-def _dependent_launch(device: torch.device) -> bool:
-    """Programmatic dependent launch (Hopper on): the down GEMV starts while gate/up runs."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-@functools.cache
 def _offsets(layout: RecordLayout) -> dict:
     names = ("gate_w", "gate_h", "gate_s", "gate_b", "up_w", "up_h", "up_s", "up_b", "down_w", "down_h", "down_s",
              "down_b")
@@ -105,16 +100,16 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     records = records if indirect else entries  # unread unless indirect
     # decode "stages": 2 = the next chunk's loads in flight while one computes
     (warps_down, stages_down), prefetch = cfg.down, cfg.num_stages > 1
-    pdl = x.is_cuda and _dependent_launch(x.device)
+    pdl, wait = dependent(x, "down"), dependent(x)  # the down GEMV starts while gate/up runs
     gate_up_gemv_kernel[(n, inter // cfg.bn_gate_up)](
         x, h, entries, addr, records, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"],
         o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group,
-        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, PDL=pdl, INDIRECT=indirect,
-        num_warps=cfg.num_warps, num_stages=1)
+        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, PDL=pdl, INDIRECT=indirect, WAIT=wait,
+        num_warps=cfg.num_warps, num_stages=1, **options(wait))
     down_gemv_kernel[(n, hidden // cfg.bn_down)](
         h, out, entries, addr, records, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask, H=hidden,
         I=inter, BITS=bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=stages_down > 1, PDL=pdl,
-        INDIRECT=indirect, num_warps=warps_down, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        INDIRECT=indirect, num_warps=warps_down, num_stages=1, **options(pdl))
 
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,

@@ -25,6 +25,11 @@ LOOKAHEAD_SETTINGS = [SETTINGS[0], dict(pool_gb="min", ring_slots=8, ring_group=
                       dict(pool_gb="min", host_gb=0.01, ring_lookahead=True)]
 
 
+# every decode-path kernel launched as a dependent (MOESTREAM_PDL=all), against the default launches
+PDL_SETTINGS = [SETTINGS[0], dict(SETTINGS[0], pdl="all"), dict(pool_gb="min", pdl="all"),
+                dict(pool_gb="half", host_gb=0.01, pdl="all")]
+
+
 @pytest.mark.parametrize("model_type", [*MODEL_TYPES, "qwen4_exp_static"])
 def test_gpu_same_tokens_and_logits_for_every_setting(tiny, tmp_path, model_type):
     _same_for_every_setting(tiny, tmp_path, model_type, SETTINGS)
@@ -35,12 +40,21 @@ def test_gpu_ring_lookahead_keeps_tokens_and_logits(tiny, tmp_path, model_type):
     _same_for_every_setting(tiny, tmp_path, model_type, LOOKAHEAD_SETTINGS)
 
 
-def _same_for_every_setting(tiny, tmp_path, model_type, settings):
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_gpu_dependent_launches_keep_tokens_and_logits(tiny, tmp_path, model_type, monkeypatch):
+    _same_for_every_setting(tiny, tmp_path, model_type, PDL_SETTINGS, monkeypatch)
+
+
+def _same_for_every_setting(tiny, tmp_path, model_type, settings, monkeypatch=None):
     # qwen4_exp's tiny model has PLE and indexed attention (eager decode); "qwen4_exp_static" has neither
     store = static_hyper_store(str(tmp_path / "s")) if model_type == "qwen4_exp_static" else tiny.store(model_type)
     reference, lines = None, []
     for setting in settings:
         s = dict(setting)
+        if "pdl" in s:
+            monkeypatch.setenv("MOESTREAM_PDL", s.pop("pdl"))
+        elif monkeypatch is not None:
+            monkeypatch.delenv("MOESTREAM_PDL", raising=False)
         if s["pool_gb"] == "min":
             s["pool_gb"] = 2 * _record_gb(1) * 1.0001
         elif s["pool_gb"] == "half":

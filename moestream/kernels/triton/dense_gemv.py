@@ -3,11 +3,14 @@
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton.launch import dependent_start
+
 
 @triton.jit
 def dense_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      HAS_BIAS: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """Program i: y[n] for the BN rows n of block i, over K in chunks of BK (the last one masked)."""
+    dependent_start(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     live = n < N
     acc = tl.zeros((BN, BK), dtype=tl.float32)

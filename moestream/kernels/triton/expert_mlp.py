@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moestream.kernels.triton.launch import dependent_start
+
 
 @triton.jit
 def _affine(base, off_s, off_b, g, BITS: tl.constexpr, live=None):
@@ -258,14 +260,18 @@ def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: t
 def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, off_gw, off_gh, off_gs, off_gb,
                         off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr):
+                        BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr,
+                        WAIT: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
     PREFETCH loads chunk k0 + BK before computing chunk k0 (Triton's pipeliner leaves loads that feed no
     tl.dot alone), so a warp keeps a chunk of HBM reads in flight while it computes. PDL lets the down
-    kernel start early (programmatic dependent launch), to read its weights while this one runs. INDIRECT:
-    program i's record address is tile_addr[records[i]] (a layer's address table indexed by expert id)."""
-    if PDL:
+    kernel start early (programmatic dependent launch), to read its weights while this one runs; WAIT: this one
+    was launched as a dependent too. INDIRECT: program i's record address is tile_addr[records[i]] (a layer's
+    address table indexed by expert id)."""
+    if WAIT:
+        dependent_start(True)
+    elif PDL:
         gdc_launch_dependents()
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
