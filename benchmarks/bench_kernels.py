@@ -148,10 +148,14 @@ def decode_configs(quick: bool):
 
 # First in every prefill sweep: BM 256 holds a whole expert's rows at 4096 tokens (about 256 per expert), so
 # each weight tile is dequantized once, not once per 128 rows (compiled here for sm_90: no spills, <= 115 KB
-# of shared memory); then the runners-up of the session-11 sweep.
+# of shared memory); then the runners-up of the session-11 sweep; then swapped tiles (weights as the MMA's
+# register operand; compiled here, 256 entries x 64 weight rows issue ~0.6x the instructions per MAC of the best
+# unswapped tile, at ~245 registers: one CTA an SM).
 PREFILL_FIRST = [TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
                  TileConfig(256, 32, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 16, 3, 1),
-                 TileConfig(128, 64, 64, 128, 128, 8, 4, 1), TileConfig(128, 64, 64, 64, 128, 4, 3, 1)]
+                 TileConfig(128, 64, 64, 128, 128, 8, 4, 1), TileConfig(128, 64, 64, 64, 128, 4, 3, 1),
+                 *(TileConfig(bm, bn, 64, bnd, 64, 8, s, 0, swap=1) for bm, bn, bnd, s in
+                   [(256, 64, 128, 3), (256, 64, 128, 2), (256, 64, 64, 2), (128, 128, 128, 2)])]
 
 
 def prefill_configs(quick: bool):

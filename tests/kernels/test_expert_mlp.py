@@ -155,10 +155,11 @@ def test_decode_with_prefetch(precision):
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
-@pytest.mark.parametrize("precision,unpack", [("q4", 1), ("q3", 0), ("q3", 1), ("q2", 1)])
-def test_prefill_with_tiles_of_256_rows(precision, unpack):
+@pytest.mark.parametrize("precision,unpack,swap", [("q4", 1, 0), ("q3", 0, 0), ("q3", 1, 0), ("q2", 1, 0),
+                                                   ("q4", 0, 1), ("q4", 1, 1), ("q3", 1, 1), ("bf16", 0, 1)])
+def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
     """BM 256 tiles (a whole expert's rows at 4096 tokens): one tile may hold every entry of an expert; each
-    precision's codes unpacked per code (0) or per word (1)."""
+    precision's codes unpacked per code (0) or per word (1); weights as the MMA's first operand (swap) or second."""
     from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
@@ -172,7 +173,7 @@ def test_prefill_with_tiles_of_256_rows(precision, unpack):
     meta = torch.tensor([[buf[0].data_ptr(), buf[1].data_ptr()], [0, rows], [rows, rows]], device=DEVICE)
     out = torch.full((rows * top_k, 128), float("nan"), dtype=DTYPE, device=DEVICE)
     expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k,
-                              cfg=TileConfig(256, 64, 64, 64, 64, 8, 2, unpack))
+                              cfg=TileConfig(256, 64, 64, 64, 64, 8, 2, unpack, swap=swap))
     want = torch.empty_like(out)
     reference.expert_group(x, buf, [0, 1], layout, [(0, rows), (rows, 2 * rows)], order, top_k, want)
     assert not torch.isnan(out).any()

@@ -95,43 +95,69 @@ def _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM: tl.con
 
 
 @triton.jit
+def _product(acc, rows, w, SWAP: tl.constexpr):
+    """acc + rows @ w.T ([BM, BN]), or with SWAP acc + w @ rows.T ([BN, BM]): the dequantized weights as the
+    MMA's first operand, which Hopper's wgmma reads from registers (no round trip through shared memory)."""
+    if SWAP:
+        acc = tl.dot(w.to(rows.dtype), tl.trans(rows), acc)
+    else:
+        acc = tl.dot(rows, tl.trans(w.to(rows.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def _store_rows(ptr, out, rows, cols, stride, valid, SWAP: tl.constexpr):
+    """out [BM, BN] (or [BN, BM] with SWAP) to ptr[rows[m] * stride + cols[n]] for the valid m."""
+    if SWAP:
+        tl.store(ptr + rows[None, :] * stride + cols[:, None], out.to(ptr.dtype.element_ty), mask=valid[None, :])
+    else:
+        tl.store(ptr + rows[:, None] * stride + cols[None, :], out.to(ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                    off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, code_mask,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr,
+                   SWAP: tl.constexpr):
     """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     row = entry // TOP_K
     n = tl.program_id(1) * BN + tl.arange(0, BN)
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
     for k0 in range(0, H, BK):
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
         x = x.to(x_ptr.dtype.element_ty)
         g = _weight_tile(base, off_gw, off_gh, off_gs, off_gb, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
-        acc_g = tl.dot(x, tl.trans(g.to(x.dtype)), acc_g)
+        acc_g = _product(acc_g, x, g, SWAP)
         u = _weight_tile(base, off_uw, off_uh, off_us, off_ub, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
-        acc_u = tl.dot(x, tl.trans(u.to(x.dtype)), acc_u)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + pos[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=valid[:, None])
+        acc_u = _product(acc_u, x, u, SWAP)
+    _store_rows(h_ptr, acc_g / (1.0 + tl.exp(-acc_g)) * acc_u, pos, n, I, valid, SWAP)
 
 
 @triton.jit
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                 off_dw, off_dh, off_ds, off_db, code_mask,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr):
     """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         k = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + pos[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
         d = _weight_tile(base, off_dw, off_dh, off_ds, off_db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
-        acc = tl.dot(h, tl.trans(d.to(h.dtype)), acc)
-    tl.store(y_ptr + entry[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
+        acc = _product(acc, h, d, SWAP)
+    _store_rows(y_ptr, acc, entry, n, H, valid, SWAP)
 
 
 @triton.jit
