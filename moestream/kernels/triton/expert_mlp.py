@@ -97,7 +97,7 @@ def _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM: tl.con
 @triton.jit
 def _product(acc, rows, w, SWAP: tl.constexpr):
     """acc + rows @ w.T ([BM, BN]), or with SWAP acc + w @ rows.T ([BN, BM]): the dequantized weights as the
-    MMA's first operand, which Hopper's wgmma reads from registers (no round trip through shared memory)."""
+    MMA's first operand, which Hopper's wgmma takes from registers, and the rows as its N (up to 256 wide)."""
     if SWAP:
         acc = tl.dot(w.to(rows.dtype), tl.trans(rows), acc)
     else:
