@@ -89,7 +89,7 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
                   cfg: TileConfig | None = None, records: torch.Tensor | None = None) -> None:
     """Routing entry entries[i] computed with the record at addr[i] (or at addr[records[i]]: addr a layer's
     table by expert id), as GEMVs that never unpack a tile. x [T, H]; out [T * top_k, H]."""
-    from moestream.kernels.triton.expert_mlp import down_gemv_kernel, gate_up_gemv_kernel
+    from moestream.kernels.triton.expert_gemv import down_gemv_kernel, gate_up_gemv_kernel
 
     cfg = cfg or tile_config("decode", layout)
     hidden, inter, o, bits = layout.hidden_size, layout.intermediate_size, _offsets(layout), layout.bits

@@ -1,4 +1,4 @@
-"""The routed-expert MLP, reading each expert's weights straight from its record by address.
+"""The routed-expert MLP for prefill (tensor-core tiles), reading each expert's weights from its record by address.
 
 A launch covers tiles; tile t is one expert (record at byte address `tile_addr[t]`, in the GPU pool,
 the ring, or mapped pinned host memory) applied to `tile_count[t]` routing entries starting at
@@ -8,13 +8,10 @@ the ring, or mapped pinned host memory) applied to `tile_count[t]` routing entri
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from moestream.kernels.triton.launch import dependent_start
 
 
 @triton.jit
-def _affine(base, off_s, off_b, g, BITS: tl.constexpr, live=None):
+def group_affine(base, off_s, off_b, g, BITS: tl.constexpr, live=None):
     """Scale and bias at group indices `g` (zeros where not `live`); Q3/Q2 codes (derived from Q4) sit at their
     bins' midpoints."""
     if live is None:
@@ -58,7 +55,7 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.co
             hptr = (base + off_h).to(tl.pointer_type(tl.int32))
             high = tl.load(hptr + rows[:, None] * (K // 32) + cols[None, :] // 32)
             codes = codes | (((high >> (cols[None, :] % 32)) & 1) << 2)
-        s, b = _affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + cols[None, :] // GROUP, BITS)
+        s, b = group_affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + cols[None, :] // GROUP, BITS)
         return _as_float(codes) * s + b
     wcols = k0 // PER + tl.arange(0, BK // PER)
     words = tl.load(wptr + rows[:, None] * (K // PER) + wcols[None, :])  # [BN, BK / PER]
@@ -70,13 +67,13 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.co
         codes = codes | (((high[:, :, None] >> fields[None, None, :]) & 1) << 2)
     codes = _as_float(codes)
     gcols = k0 // GROUP + tl.arange(0, BK // GROUP)
-    scale, bias = _affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + gcols[None, :], BITS)
+    scale, bias = group_affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + gcols[None, :], BITS)
     w = tl.reshape(codes, (BN, BK // GROUP, GROUP)) * scale[:, :, None] + bias[:, :, None]
     return tl.reshape(w, (BN, BK))
 
 
 @triton.jit
-def _record(tile_addr_ptr, i):
+def record_base(tile_addr_ptr, i):
     """The record at address tile_addr_ptr[i], as a byte pointer. Records and their fields are 64-byte
     aligned (format.py); saying so lets loads from them be vectorised (unknown alignment means 2-byte loads)."""
     return tl.multiple_of(tl.load(tile_addr_ptr + i).to(tl.pointer_type(tl.uint8)), 64)
@@ -86,7 +83,7 @@ def _record(tile_addr_ptr, i):
 def _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM: tl.constexpr):
     """This program's tile: its record's base pointer, first position, the [BM] positions' mask and entries."""
     tile = tl.program_id(0)
-    base = _record(tile_addr_ptr, tile)
+    base = record_base(tile_addr_ptr, tile)
     start = tl.load(tile_start_ptr + tile)
     m = tl.arange(0, BM)
     valid = m < tl.load(tile_count_ptr + tile)
@@ -158,199 +155,3 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
         d = _weight_tile(base, off_dw, off_dh, off_ds, off_db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
         acc = _product(acc, h, d, SWAP)
     _store_rows(y_ptr, acc, entry, n, H, valid, SWAP)
-
-
-@triton.jit
-def _field(w, SHIFT: tl.constexpr, mask):
-    """(w shifted left by SHIFT, right when negative) & mask."""
-    if SHIFT >= 0:
-        return (w << SHIFT) & mask
-    else:
-        return (w >> (-SHIFT)) & mask
-
-
-@triton.jit
-def _gemv_load(base, off_w, off_h, n, k0, K: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr):
-    """The weight bits of columns k0..k0+BK of rows n, zeros past K (so BK need not divide K): bf16 values
-    [BN, BK], or code words [BN, BK // PER] and Q3's high-bit half-words (the words again when there are none)."""
-    if BITS == 16:
-        k = k0 + tl.arange(0, BK)
-        words = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :],
-                        mask=k[None, :] < K, other=0)
-        high = words
-    else:
-        WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
-        PER: tl.constexpr = 32 // WBITS
-        wc = k0 // PER + tl.arange(0, BK // PER)
-        live = wc[None, :] < K // PER
-        words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None] * (K // PER) + wc[None, :],
-                        mask=live, other=0)
-        if BITS == 3:  # the high bits of word wc's 16 codes are 16-bit word wc of the `_h` plane (little-endian)
-            high = tl.load((base + off_h).to(tl.pointer_type(tl.int16)) + n[:, None] * (K // 16) + wc[None, :],
-                           mask=live, other=0).to(tl.int32)
-        else:
-            high = words
-    return words, high
-
-
-@triton.jit
-def _gemv_acc(acc, words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr,
-              BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """acc += W[n, k] * v[k] over columns k0..k0+BK from `_gemv_load`'s bits: [BN, BK] products for bf16,
-    per-group sums for codes."""
-    if BITS == 16:
-        k = k0 + tl.arange(0, BK)
-        acc += words.to(tl.float32) * tl.load(vec_ptr + k, mask=k < K, other=0).to(tl.float32)[None, :]
-    else:
-        acc += _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K, BITS, GROUP, BN, BK)
-    return acc
-
-
-@triton.jit
-def _position(c: tl.constexpr, BITS: tl.constexpr):
-    """(shift, mantissa bit) for code c of a word in `_placed`: codes already in the window [LOW, TOP] stay;
-    the others go in runs of RUN codes, one shift of the word per run."""
-    TOP: tl.constexpr = 23 - BITS
-    LOW: tl.constexpr = TOP - 8  # the code's 2**e is at most 2**8: ~2**-15 of the term is left after it cancels
-    RUN: tl.constexpr = (TOP - LOW) // BITS + 1
-    FIRST: tl.constexpr = (LOW + BITS - 1) // BITS  # the codes FIRST..LAST sit in the window unshifted
-    LAST: tl.constexpr = TOP // BITS
-    if c < FIRST:  # runs counted down from FIRST - 1, each run's last code at TOP
-        SHIFT: tl.constexpr = TOP - BITS * (FIRST - 1 - (FIRST - 1 - c) // RUN * RUN)
-    elif c <= LAST:
-        SHIFT: tl.constexpr = 0
-    else:  # runs counted up from LAST + 1, each run's first code at LOW
-        SHIFT: tl.constexpr = LOW - BITS * (LAST + 1 + (c - LAST - 1) // RUN * RUN)
-    return SHIFT, BITS * c + SHIFT
-
-
-@triton.jit
-def _placed(words, c: tl.constexpr, BITS: tl.constexpr, field_mask):
-    """Code c of each word as the fp32 2**e + q / 2**BITS (e = 23 - BITS - p for the code's mantissa bit p, so
-    every code weighs the same) with no int->float conversion; shared shifts serve several codes (`_position`).
-    `field_mask` (the code mask at bits TOP..) arrives at run time so that ptxas fuses mask and exponent."""
-    SHIFT, P = _position(c, BITS)
-    bits = _field(words, SHIFT, field_mask >> (23 - BITS - P))  # shifted right: LLVM learns nothing of its bits
-    return (bits | ((127 + 23 - BITS - P) << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _offset_of(c: tl.constexpr, BITS: tl.constexpr):
-    """2**e of code c in `_placed`: what sum(f v) carries beyond sum(q v) / 2**BITS."""
-    SHIFT, P = _position(c, BITS)
-    return (1 << (23 - BITS - P)) * 1.0
-
-
-@triton.jit
-def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr, BITS: tl.constexpr,
-               GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """[BN, BK // GROUP] per-group sums of W[n, k] * v[k] over columns k0..k0+BK.
-
-    Codes become floats without int->float conversions (`_placed`, and Q3's high bit OR'ed into the top
-    mantissa bits of 1.0); scale and bias then apply once per group."""
-    WBITS: tl.constexpr = 2 if BITS == 3 else BITS
-    PER: tl.constexpr = 32 // WBITS
-    BKW: tl.constexpr = BK // PER
-    wc = k0 // PER + tl.arange(0, BKW)
-    live = wc < K // PER
-    pairs = vec_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    dot = tl.zeros((BN, BKW), dtype=tl.float32)
-    vsum = tl.zeros((BKW,), dtype=tl.float32)
-    offset = tl.zeros((BKW,), dtype=tl.float32)  # sum of 2**e v: what sum(f v) holds beyond sum(q v) / 2**BITS
-    for c in tl.static_range(PER):
-        if vec_ptr.dtype.element_ty == tl.bfloat16:  # two values per 32-bit load
-            if c % 2 == 0:
-                pair = tl.load(pairs + (wc * PER + c) // 2, mask=live, other=0)
-                v = (pair << 16).to(tl.float32, bitcast=True)
-            else:
-                v = (pair & -65536).to(tl.float32, bitcast=True)
-        else:
-            v = tl.load(vec_ptr + wc * PER + c, mask=live, other=0).to(tl.float32)
-        if BITS == 3:
-            f = _field(words, 23 - BITS - c * WBITS, field_mask) | _field(high, 22 - c, 1 << 22)
-            dot += (f | 0x3F800000).to(tl.float32, bitcast=True) * v[None, :]  # f = 1 + q / 8
-        else:
-            dot += _placed(words, c, BITS, field_mask) * v[None, :]
-            offset += v * _offset_of(c, BITS)
-        vsum += v
-    G: tl.constexpr = BK // GROUP
-    dot = tl.sum(tl.reshape(dot, (BN, G, GROUP // PER)), axis=2)
-    vsum = tl.sum(tl.reshape(vsum, (G, GROUP // PER)), axis=1)
-    offset = vsum if BITS == 3 else tl.sum(tl.reshape(offset, (G, GROUP // PER)), axis=1)
-    g = k0 // GROUP + tl.arange(0, G)
-    s, b = _affine(base, off_s, off_b, n[:, None] * (K // GROUP) + g[None, :], BITS, g[None, :] < K // GROUP)
-    return s * (1 << BITS) * (dot - offset[None, :]) + b * vsum[None, :]
-
-
-@triton.jit
-def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, off_gw, off_gh, off_gs, off_gb,
-                        off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
-                        TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr,
-                        WAIT: tl.constexpr):
-    """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
-
-    PREFETCH loads chunk k0 + BK before computing chunk k0 (Triton's pipeliner leaves loads that feed no
-    tl.dot alone), so a warp keeps a chunk of HBM reads in flight while it computes. PDL lets the down
-    kernel start early (programmatic dependent launch), to read its weights while this one runs; WAIT: this one
-    was launched as a dependent too. INDIRECT: program i's record address is tile_addr[records[i]] (a layer's
-    address table indexed by expert id)."""
-    if WAIT:
-        dependent_start(True)
-    elif PDL:
-        gdc_launch_dependents()
-    i, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(entries_ptr + i)
-    base = _record(tile_addr_ptr, tl.load(records_ptr + i) if INDIRECT else i)
-    xrow = x_ptr + (e // TOP_K) * H
-    n = pid_n * BN + tl.arange(0, BN)
-    W: tl.constexpr = BK if BITS == 16 else BK // GROUP
-    acc_g = tl.zeros((BN, W), dtype=tl.float32)
-    acc_u = tl.zeros((BN, W), dtype=tl.float32)
-    if PREFETCH:
-        gw, gh = _gemv_load(base, off_gw, off_gh, n, 0, H, BITS, BK)
-        uw, uh = _gemv_load(base, off_uw, off_uh, n, 0, H, BITS, BK)
-        for k0 in range(0, H, BK):
-            gw_next, gh_next = _gemv_load(base, off_gw, off_gh, n, k0 + BK, H, BITS, BK)
-            uw_next, uh_next = _gemv_load(base, off_uw, off_uh, n, k0 + BK, H, BITS, BK)
-            acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
-            acc_u = _gemv_acc(acc_u, uw, uh, base, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
-            gw, gh, uw, uh = gw_next, gh_next, uw_next, uh_next
-    else:
-        for k0 in range(0, H, BK):
-            gw, gh = _gemv_load(base, off_gw, off_gh, n, k0, H, BITS, BK)
-            uw, uh = _gemv_load(base, off_uw, off_uh, n, k0, H, BITS, BK)
-            acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
-            acc_u = _gemv_acc(acc_u, uw, uh, base, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
-    g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
-    h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
-
-
-@triton.jit
-def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, off_dw, off_dh, off_ds, off_db,
-                     field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                     INDIRECT: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH, INDIRECT as in gate_up_gemv_kernel). Launched with PDL
-    it may start before gate_up has finished: the first chunk's weights load before it waits for h."""
-    i, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(entries_ptr + i)
-    base = _record(tile_addr_ptr, tl.load(records_ptr + i) if INDIRECT else i)
-    n = pid_n * BN + tl.arange(0, BN)
-    W: tl.constexpr = BK if BITS == 16 else BK // GROUP
-    acc = tl.zeros((BN, W), dtype=tl.float32)
-    hrow = h_ptr + i * I
-    dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK)
-    if PDL:
-        gdc_wait()  # h is the gate/up kernel's output
-    for k0 in range(0, I, BK):
-        if PREFETCH:  # the next chunk in flight while this one computes (past I: masked, nothing read)
-            dw_next, dh_next = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK)
-            acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
-            dw, dh = dw_next, dh_next
-        else:
-            acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
-            if k0 + BK < I:
-                dw, dh = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK)
-    tl.store(y_ptr + e * H + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
