@@ -25,9 +25,11 @@ LOOKAHEAD_SETTINGS = [SETTINGS[0], dict(pool_gb="min", ring_slots=8, ring_group=
                       dict(pool_gb="min", host_gb=0.01, ring_lookahead=True)]
 
 
-# every decode-path kernel launched as a dependent (MOESTREAM_PDL=all), against the default launches
-PDL_SETTINGS = [SETTINGS[0], dict(SETTINGS[0], pdl="all"), dict(pool_gb="min", pdl="all"),
-                dict(pool_gb="half", host_gb=0.01, pdl="all")]
+# opt-in kernels: the dense GEMV (its own arithmetic, so every setting here uses it) with the default launches,
+# then with every decode-path kernel launched as a dependent (the same arithmetic: identical results)
+OPT_IN = {"MOESTREAM_PDL": "all", "MOESTREAM_DENSE": "triton"}
+OPT_IN_SETTINGS = [dict(SETTINGS[0], env={"MOESTREAM_DENSE": "triton"}), dict(SETTINGS[0], env=OPT_IN),
+                   dict(pool_gb="min", env=OPT_IN), dict(pool_gb="half", host_gb=0.01, env=OPT_IN)]
 
 
 @pytest.mark.parametrize("model_type", [*MODEL_TYPES, "qwen4_exp_static"])
@@ -41,8 +43,8 @@ def test_gpu_ring_lookahead_keeps_tokens_and_logits(tiny, tmp_path, model_type):
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_gpu_dependent_launches_keep_tokens_and_logits(tiny, tmp_path, model_type, monkeypatch):
-    _same_for_every_setting(tiny, tmp_path, model_type, PDL_SETTINGS, monkeypatch)
+def test_gpu_opt_in_kernels_keep_tokens_and_logits(tiny, tmp_path, model_type, monkeypatch):
+    _same_for_every_setting(tiny, tmp_path, model_type, OPT_IN_SETTINGS, monkeypatch)
 
 
 def _same_for_every_setting(tiny, tmp_path, model_type, settings, monkeypatch=None):
@@ -51,10 +53,10 @@ def _same_for_every_setting(tiny, tmp_path, model_type, settings, monkeypatch=No
     reference, lines = None, []
     for setting in settings:
         s = dict(setting)
-        if "pdl" in s:
-            monkeypatch.setenv("MOESTREAM_PDL", s.pop("pdl"))
-        elif monkeypatch is not None:
-            monkeypatch.delenv("MOESTREAM_PDL", raising=False)
+        for name in OPT_IN if monkeypatch is not None else ():
+            monkeypatch.delenv(name, raising=False)
+        for name, value in s.pop("env", {}).items():
+            monkeypatch.setenv(name, value)
         if s["pool_gb"] == "min":
             s["pool_gb"] = 2 * _record_gb(1) * 1.0001
         elif s["pool_gb"] == "half":
