@@ -45,9 +45,10 @@ def profile_decode(llm: LLM, ids: list[int], steps: int = 32) -> list[tuple[str,
     return rows
 
 
-def decode_runs(store: str, tokens: int = 64, profile: bool = False) -> list[dict]:
+def decode_runs(store: str, tokens: int = 64, profile: bool = False,
+                modes: tuple[str, ...] = ("graph", "addressed", "handshake")) -> list[dict]:
     rows = []
-    for mode in ("graph", "addressed", "handshake"):
+    for mode in modes:
         llm = LLM(store, device="cuda", decode_mode=mode)
         ids = prompt(16, llm.config.vocab_size)
         llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))  # warm: compile, capture
@@ -130,6 +131,7 @@ def main() -> None:
     p.add_argument("--lengths", default="512,4096")
     p.add_argument("--host-gb", type=float, default=0.0)
     p.add_argument("--warm", action="store_true", help="run each prompt once before timing it")
+    p.add_argument("--decode-modes", default="graph,addressed,handshake")
     p.add_argument("--profile", action="store_true", help="break graphed and eager decode steps down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
     p.add_argument("--ring-groups", default="8", help="prefill: experts per ring batch, one run each (e.g. 8,16)")
@@ -138,7 +140,7 @@ def main() -> None:
     args = p.parse_args()
     data, table = {}, []
     if args.decode:
-        data["decode"] = decode_runs(args.store, profile=args.profile)
+        data["decode"] = decode_runs(args.store, profile=args.profile, modes=tuple(args.decode_modes.split(",")))
         table += [["decode", r["mode"], f"{r['decode_tok_s']:.1f} tok/s", f"{r['ms_per_token']:.2f} ms/token", ""]
                   for r in data["decode"]]
     if args.prefill:
