@@ -281,7 +281,7 @@ class ExpertConfig:
     ring_slots: int = 64  # prefill ring (Cherenkov: 64)
     ring_group: int = 8  # experts per ring batch (Cherenkov: 8)
     lookahead: bool = True  # prefetch layer L+1's predicted experts during layer L
-    ring_lookahead: bool = False  # prefill: start the next layer's ring fetches early (not yet run on a GPU)
+    ring_lookahead: bool = False  # prefill: start the next layer's ring fetches early (no clear gain on the H200 yet)
     prefill_min_rows: int = 32  # a layer step with this many rows streams its misses through the ring
     read_threads: int = 8
     staging_records: int = 16  # pinned staging buffers when there is no host tier

@@ -139,8 +139,7 @@ class Fetcher:
         if span is not None:
             dst0, src0, n = span
             size = dst0.shape[0]
-            if (size == src.shape[0] and r.dst.data_ptr() == dst0.data_ptr() + n * size
-                    and src.data_ptr() == src0.data_ptr() + n * size):
+            if r.dst.data_ptr() == dst0.data_ptr() + n * size and src.data_ptr() == src0.data_ptr() + n * size:
                 return dst0, src0, n + 1
             self._flush(span)
         return r.dst, src, 1

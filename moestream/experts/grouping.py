@@ -51,4 +51,3 @@ def batch_of(grouping: Grouping, index: list[int], buffer: torch.Tensor, layout:
     """The sub-batch of `grouping` made of experts at positions `index`, with their slots."""
     spans = [(grouping.offsets[j], grouping.offsets[j + 1]) for j in index]
     return ExpertBatch(buffer, layout, [grouping.experts[j] for j in index], slots, spans, grouping.order)
-

@@ -33,13 +33,13 @@ OPT_IN_SETTINGS = [dict(SETTINGS[0], env={"MOESTREAM_DENSE": "triton"}), dict(SE
 
 
 @pytest.mark.parametrize("model_type", [*MODEL_TYPES, "qwen4_exp_static"])
-def test_gpu_same_tokens_and_logits_for_every_setting(tiny, tmp_path, model_type):
-    _same_for_every_setting(tiny, tmp_path, model_type, SETTINGS)
+def test_gpu_same_tokens_and_logits_for_every_setting(tiny, tmp_path, model_type, monkeypatch):
+    _same_for_every_setting(tiny, tmp_path, model_type, SETTINGS, monkeypatch)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_gpu_ring_lookahead_keeps_tokens_and_logits(tiny, tmp_path, model_type):
-    _same_for_every_setting(tiny, tmp_path, model_type, LOOKAHEAD_SETTINGS)
+def test_gpu_ring_lookahead_keeps_tokens_and_logits(tiny, tmp_path, model_type, monkeypatch):
+    _same_for_every_setting(tiny, tmp_path, model_type, LOOKAHEAD_SETTINGS, monkeypatch)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -47,13 +47,13 @@ def test_gpu_opt_in_kernels_keep_tokens_and_logits(tiny, tmp_path, model_type, m
     _same_for_every_setting(tiny, tmp_path, model_type, OPT_IN_SETTINGS, monkeypatch)
 
 
-def _same_for_every_setting(tiny, tmp_path, model_type, settings, monkeypatch=None):
+def _same_for_every_setting(tiny, tmp_path, model_type, settings, monkeypatch):
     # qwen4_exp's tiny model has PLE and indexed attention (eager decode); "qwen4_exp_static" has neither
     store = static_hyper_store(str(tmp_path / "s")) if model_type == "qwen4_exp_static" else tiny.store(model_type)
     reference, lines = None, []
     for setting in settings:
         s = dict(setting)
-        for name in OPT_IN if monkeypatch is not None else ():
+        for name in OPT_IN:  # the defaults unless a setting asks otherwise, whatever the caller's environment
             monkeypatch.delenv(name, raising=False)
         for name, value in s.pop("env", {}).items():
             monkeypatch.setenv(name, value)
