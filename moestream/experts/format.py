@@ -112,11 +112,11 @@ class RecordLayout:
         raise KeyError(name)
 
     def views(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of one record's bytes (a uint8 tensor of at least `record_bytes`)."""
+        """Typed views of a record's bytes (uint8 [..., at least `record_bytes`]; leading dims are records)."""
         out = {}
         for f in self.fields:
-            raw = record[f.offset: f.offset + f.nbytes]
-            out[f.name] = raw.view(DTYPES[f.dtype]).view(f.shape)
+            raw = record[..., f.offset: f.offset + f.nbytes]
+            out[f.name] = raw.view(DTYPES[f.dtype]).unflatten(-1, f.shape)
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Adding a Q3 or Q2 expert file to a finished store, derived from its Q4 records (built on first use).
 
 The new file is written beside the store under a temporary name, checked, renamed, and only then does
-the manifest (rewritten atomically) mention it, so an interrupted build leaves the store as it was."""
+the manifest (rewritten atomically) mention it, so an interrupted build leaves the store as it was; the next
+build resumes from the temporary file."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ from moestream.packer.records import derive_record
 BATCH = 64
 
 
+def _resume_point(partial: str, stride: int) -> int:
+    """Records a cut-short derivation finished, less one batch in case its last writes did not reach the disk."""
+    if not os.path.exists(partial):
+        return 0
+    return max(0, os.path.getsize(partial) // stride - BATCH) // BATCH * BATCH
+
+
 def ensure_precision(store_path: str, precision: str, show_progress: bool = True) -> None:
     store = open_store(store_path, verify=False)
     m = store.manifest
@@ -35,21 +43,29 @@ def ensure_precision(store_path: str, precision: str, show_progress: bool = True
     low = RecordLayout.build(precision, q4.hidden_size, q4.intermediate_size, q4.group_size)
     total = m.geometry.num_records
     final = os.path.join(store_path, experts_file(precision))
-    partial = final + ".partial"
+    # named for the Q4 file it derives from, so a resumed build never mixes in another store's records
+    partial = f"{final}.{m.files[experts_file('q4')].sha256[:16]}.partial"
+    done = _resume_point(partial, low.stride)
     if show_progress:
-        print(f"deriving {precision} experts from q4 ({total} records, once)...", file=sys.stderr)
+        resumed = f", resuming at {done}" if done else ""
+        print(f"deriving {precision} experts from q4 ({total} records, once{resumed})...", file=sys.stderr)
+    # a GPU derives a batch in milliseconds; the CPU path is byte-wise too, so either keeps up with the disk
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     ui = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=Console(stderr=True), disable=not (show_progress and sys.stderr.isatty()), transient=True)
-    with ui, open(store.experts_path("q4"), "rb") as src, open(partial, "wb") as dst:
+    with ui, open(store.experts_path("q4"), "rb") as src, open(partial, "r+b" if done else "wb") as dst:
         task = ui.add_task(f"deriving {precision}", total=total)
-        for start in range(0, total, BATCH):
+        src.seek(done * q4.stride)
+        dst.truncate(done * low.stride)
+        dst.seek(done * low.stride)
+        for start in range(done, total, BATCH):
             ui.update(task, completed=start)
             n = min(BATCH, total - start)
             raw = bytearray(src.read(n * q4.stride))
             if len(raw) != n * q4.stride:
                 raise StoreError(f"{store.experts_path('q4')} is shorter than its manifest says")
-            records = torch.frombuffer(raw, dtype=torch.uint8).view(n, q4.stride)
-            dst.write(b"".join(derive_record(r, q4, low).numpy().tobytes() for r in records))
+            records = torch.frombuffer(raw, dtype=torch.uint8).view(n, q4.stride).to(device)
+            dst.write(derive_record(records, q4, low).cpu().numpy().tobytes())
         dst.flush()
         os.fsync(dst.fileno())
     os.replace(partial, final)

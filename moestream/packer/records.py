@@ -52,8 +52,8 @@ def encode_record(
 
 
 def derive_record(q4_record: torch.Tensor, q4: RecordLayout, low: RecordLayout) -> torch.Tensor:
-    """A Q3/Q2 record from a Q4 one: codes shifted right, scales and biases kept (no re-quantizing)."""
-    record = torch.zeros(low.stride, dtype=torch.uint8)
+    """Q3/Q2 records from Q4 ones ([..., stride] bytes): codes shifted right, scales and biases kept."""
+    record = q4_record.new_zeros(*q4_record.shape[:-1], low.stride)
     src, dst = q4.views(q4_record), low.views(record)
     for p in PROJECTIONS:
         planes = derive_codes(src[f"{p}_w"], low.bits)

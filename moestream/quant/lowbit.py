@@ -23,27 +23,24 @@ def effective_affine(scales: torch.Tensor, biases: torch.Tensor, bits: int) -> t
 
 
 def derive_codes(q4_words: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """Q4 words [..., in/8] -> the packed planes of the `bits`-bit record ([lo] for Q2, [lo, hi] for Q3),
-    word by word: each Q4 word's 8 codes give up their top `bits` bits, with no unpacking to codes."""
+    """Q4 words [..., in/8] -> the packed planes of the `bits`-bit record ([lo] for Q2, [lo, hi] for Q3).
+    Byte-wise on uint8 (a Q4 byte holds two codes), so it runs at memory speed on the CPU or a GPU."""
+    b = q4_words.contiguous().view(torch.uint8)
     if bits == 2:
-        return [_gather(q4_words, 2, 2)]
+        return [_pack_fields(((b >> 2) & 3) | ((b >> 4) & 0xC), 4)]
     if bits == 3:
-        return [_gather(q4_words, 1, 2), _gather(q4_words, 3, 1)]
+        return [_pack_fields(((b >> 1) & 3) | ((b >> 3) & 0xC), 4), _pack_fields(((b >> 3) & 1) | ((b >> 6) & 2), 2)]
     raise ValueError(f"no {bits}-bit derivation")
 
 
-def _gather(q4_words: torch.Tensor, low_bit: int, width: int) -> torch.Tensor:
-    """Bits low_bit..low_bit+width of every Q4 code, packed `32 // width` to an int32, low codes first."""
-    w = q4_words.to(torch.int64) & 0xFFFFFFFF
-    field = torch.zeros_like(w)  # each Q4 word's 8 fields side by side: 8 * width bits
-    for i in range(8):
-        field |= ((w >> (4 * i + low_bit)) & ((1 << width) - 1)) << (width * i)
-    per_out = 32 // (8 * width)  # Q4 words per output word
-    field = field.unflatten(-1, (-1, per_out))
-    out = torch.zeros_like(field[..., 0])
-    for j in range(per_out):
-        out |= field[..., j] << (8 * width * j)
-    return (out - ((out >> 31) << 32)).to(torch.int32)  # unsigned 32-bit -> the int32 with the same bits
+def _pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 [..., n] of `width`-bit fields (a Q4 byte's two codes each) -> int32 words, low fields first."""
+    per_byte = 8 // width
+    fields = fields.unflatten(-1, (-1, per_byte))
+    out = fields[..., 0].clone()
+    for j in range(1, per_byte):
+        out |= fields[..., j] << (width * j)
+    return out.view(torch.int32)
 
 
 def unpack_lowbit(planes: list[torch.Tensor], bits: int) -> torch.Tensor:
