@@ -93,6 +93,10 @@ SCENARIOS = (("decode", 16, 64), ("prefill", 512, 1), ("prefill", 4096, 1))
 LOW_BIT = (("moestream q4", {}), ("moestream q3", dict(experts=3)), ("moestream q2", dict(experts=2)),
            ("moestream q4, misses q2", dict(miss_experts=2)))  # q4 first: the same scenarios to compare with
 LOW_BIT_SCENARIOS = (("decode", 16, 32), ("prefill", 4096, 1))
+# the prefill ring's cross-layer lookahead (off by default), where it matters: 30B, pool 25%, host tier
+RING = (("moestream, ring lookahead", dict(ring_lookahead=True)),
+        ("moestream, ring lookahead, group 16", dict(ring_lookahead=True, ring_group=16)))
+RING_SCENARIOS = (("prefill", 512, 1), ("prefill", 4096, 1))
 
 
 def _measure(llm, base: dict, per_token: float, dense: int, scenarios) -> list[dict]:
@@ -128,17 +132,19 @@ def stage_moestream(args) -> list[dict]:
         modes = []
         if args.modes in ("all", "q4"):
             modes += [("moestream", {}, frac, host) for frac in POOLS for host in (False, True) if frac < 1 or not host]
+            modes += [(engine, opts, 0.25, True) for engine, opts in RING] if name == "qwen3-30b" else []
         if name == "qwen3-30b" and args.modes in ("all", "low-bit"):
             modes += [(engine, opts, 0.25, host) for engine, opts in LOW_BIT for host in (True, False)]
         for engine, opts, frac, host in modes:
             layout = RecordLayout.build(precision_name(opts.get("experts", 4)), g.hidden_size, g.intermediate_size)
             total_gb = g.num_records * layout.stride / 1e9
+            opts = {"ring_lookahead": args.ring_lookahead} | opts
             llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
-                      host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host,
-                      ring_lookahead=args.ring_lookahead, **opts)
+                      host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host, **opts)
             base = {"model": name, "engine": engine, "pool": frac, "host_tier": host,
-                    "ring_lookahead": args.ring_lookahead}
-            runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream" else LOW_BIT_SCENARIOS)
+                    "ring_lookahead": opts["ring_lookahead"], "ring_group": opts.get("ring_group", 8)}
+            runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream"
+                             else RING_SCENARIOS if "ring" in engine else LOW_BIT_SCENARIOS)
             mode = f"{name}/{engine}, pool {frac:.0%}, {'host tier' if host else 'disk only'}"
             args.save(runs, {mode: hit_rates(llm.stats()["layers"])})  # a call stopped by its limit keeps these
             llm.close()
