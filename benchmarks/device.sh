@@ -43,7 +43,7 @@ for stage in "$@"; do
              --warm --trace --ring-groups 8,16 --ring-lookahead off,on 2>&1 | tee "$OUT/overlap-trace.log" | tail -12 ;;
     decode-s12) s12; timeout 150 python -m benchmarks.bench_e2e /tmp/s12 --decode --profile 2>&1 | tee "$OUT/decode-s12.log" | tail -40 ;;
     decode-ab) s12  # graphed decode with each opt-in kernel set, against the defaults
-               for opt in "" MOESTREAM_DENSE=triton MOESTREAM_PDL=all "MOESTREAM_DENSE=triton MOESTREAM_PDL=all"; do
+               for opt in "" MOESTREAM_DENSE=cublas MOESTREAM_PDL=all "MOESTREAM_DENSE=cublas MOESTREAM_PDL=all"; do
                  echo "--- ${opt:-defaults}"
                  env $opt timeout 100 python -m benchmarks.bench_e2e /tmp/s12 --decode --decode-modes graph 2>&1 | grep "'mode'"
                done | tee "$OUT/decode-ab.log" ;;

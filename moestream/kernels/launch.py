@@ -3,7 +3,8 @@ it in the stream still runs, and waits (griddepcontrol.wait) before it touches t
 launch latency between a decode step's small kernels overlaps the kernel before.
 
 `MOESTREAM_PDL`: "down" (the default: the expert down GEMV alone, measured on the H200), "all" (every Triton
-kernel of the decode path; not yet measured), or "off"."""
+kernel of the decode path: 14% faster graphed decode alone on the H200, but slower beside the Triton dense
+GEMV), or "off"."""
 
 from __future__ import annotations
 

@@ -71,9 +71,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias (reference.linear); with `MOESTREAM_DENSE=triton` one token's on the GPU as a Triton
-    GEMV (opt-in until it is timed against cuBLAS on the H200)."""
-    if x.shape[0] == 1 and os.environ.get("MOESTREAM_DENSE") == "triton" and use_triton(x.device):
+    """x @ weight.T + bias (reference.linear); one token's on the GPU as a Triton GEMV, which reads at the HBM
+    rate where cuBLAS splits K and adds a reduce kernel (`MOESTREAM_DENSE=cublas` keeps cuBLAS)."""
+    if x.shape[0] == 1 and os.environ.get("MOESTREAM_DENSE") != "cublas" and use_triton(x.device):
         from moestream.kernels import dense_gemv
 
         return dense_gemv.dense_gemv(x, weight, bias)

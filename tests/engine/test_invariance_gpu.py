@@ -25,11 +25,15 @@ LOOKAHEAD_SETTINGS = [SETTINGS[0], dict(pool_gb="min", ring_slots=8, ring_group=
                       dict(pool_gb="min", host_gb=0.01, ring_lookahead=True)]
 
 
-# opt-in kernels: the dense GEMV (its own arithmetic, so every setting here uses it) with the default launches,
-# then with every decode-path kernel launched as a dependent (the same arithmetic: identical results)
-OPT_IN = {"MOESTREAM_PDL": "all", "MOESTREAM_DENSE": "triton"}
-OPT_IN_SETTINGS = [dict(SETTINGS[0], env={"MOESTREAM_DENSE": "triton"}), dict(SETTINGS[0], env=OPT_IN),
-                   dict(pool_gb="min", env=OPT_IN), dict(pool_gb="half", host_gb=0.01, env=OPT_IN)]
+# opt-in launches: every decode-path kernel as a dependent of the one before (the same arithmetic: identical
+# results); and cuBLAS for a token's dense projections instead of the Triton GEMV (its own arithmetic, so those
+# settings are held to each other)
+PDL_ALL, CUBLAS = {"MOESTREAM_PDL": "all"}, {"MOESTREAM_DENSE": "cublas"}
+ENV = (*PDL_ALL, *CUBLAS)
+OPT_IN_SETTINGS = [SETTINGS[0], dict(SETTINGS[0], env=PDL_ALL), dict(pool_gb="min", env=PDL_ALL),
+                   dict(pool_gb="half", host_gb=0.01, env=PDL_ALL)]
+CUBLAS_SETTINGS = [dict(SETTINGS[0], env=CUBLAS), dict(pool_gb="min", env=CUBLAS),
+                   dict(pool_gb="half", host_gb=0.01, env=CUBLAS)]
 
 
 @pytest.mark.parametrize("model_type", [*MODEL_TYPES, "qwen4_exp_static"])
@@ -47,13 +51,18 @@ def test_gpu_opt_in_kernels_keep_tokens_and_logits(tiny, tmp_path, model_type, m
     _same_for_every_setting(tiny, tmp_path, model_type, OPT_IN_SETTINGS, monkeypatch)
 
 
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_gpu_cublas_projections_keep_tokens_and_logits(tiny, tmp_path, model_type, monkeypatch):
+    _same_for_every_setting(tiny, tmp_path, model_type, CUBLAS_SETTINGS, monkeypatch)
+
+
 def _same_for_every_setting(tiny, tmp_path, model_type, settings, monkeypatch):
     # qwen4_exp's tiny model has PLE and indexed attention (eager decode); "qwen4_exp_static" has neither
     store = static_hyper_store(str(tmp_path / "s")) if model_type == "qwen4_exp_static" else tiny.store(model_type)
     reference, lines = None, []
     for setting in settings:
         s = dict(setting)
-        for name in OPT_IN:  # the defaults unless a setting asks otherwise, whatever the caller's environment
+        for name in ENV:  # the defaults unless a setting asks otherwise, whatever the caller's environment
             monkeypatch.delenv(name, raising=False)
         for name, value in s.pop("env", {}).items():
             monkeypatch.setenv(name, value)
