@@ -9,7 +9,8 @@ reads a slot before its copy.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -59,6 +60,20 @@ class ExpertPool:
         self.rid_of[slot], self.slot_of[rid] = rid, slot
         self.lru.move_to_end(slot)
         return slot
+
+    def spare(self, layer: int, share: int, layer_of: Callable[[int], int]) -> list[int]:
+        """Slots a fill for `layer` may take, least recently used first: free ones, and unpinned ones of other
+        layers holding more than `share` records (as a decode leaves them), down to that share."""
+        held = Counter(layer_of(rid) for rid in self.slot_of)
+        out = []
+        for slot in self.lru:
+            rid = self.rid_of[slot]
+            owner = None if rid is None else layer_of(rid)
+            if owner is None or (owner != layer and held[owner] > share and slot not in self.pinned):
+                out.append(slot)
+                if owner is not None:
+                    held[owner] -= 1
+        return out
 
     def ring_slot(self, index: int) -> int:
         return self.num_slots + index % self.ring_slots

@@ -31,13 +31,14 @@ class RingPath:
         slots = [self._lookup(layer, rid) for rid in rids]  # first every hit, pinned before any fill evicts
         waits = [self.pool.pending[s] if s is not None else None for s in slots]
         # The layer keeps up to `share` records: fills take the slots of its residents unused by this step
-        # first, then free room, so that filling one layer does not evict the layers after it.
+        # first, then free slots or those of layers above their share, so no fill leaves a layer short.
         used, idle = set(g.experts), []
         for e in range(self.geometry.num_experts):
             slot = None if e in used else self.pool.slot_of.get(self.geometry.rid(layer, e))
             if slot is not None:
                 idle.append(slot)
         room = share - len(idle) - sum(s is not None for s in slots)
+        spare = self.pool.spare(layer, share, lambda rid: rid // self.geometry.num_experts) if room > 0 else []
         fills, ring_jobs = [], []  # (expert index, rid, slot)
         for j, rid in enumerate(rids):
             if slots[j] is not None:
@@ -45,8 +46,8 @@ class RingPath:
             slot = None
             if j in keep and idle:  # fills the pool (base precision) and stays for decode
                 slot = self.pool.allocate(rid, idle.pop())
-            elif j in keep and room > 0:
-                slot = self.pool.allocate(rid)
+            elif j in keep and room > 0 and spare:
+                slot = self.pool.allocate(rid, spare.pop(0))
                 room -= 1
             if slot is not None:
                 self.pool.pin(slot)

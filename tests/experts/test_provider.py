@@ -2,8 +2,10 @@
 
 import os
 import shutil
+from collections import Counter
 
 import pytest
+import torch
 
 from moestream.engine.llm import LLM
 from moestream.errors import BudgetError, StoreError
@@ -164,5 +166,24 @@ def test_preload_puts_every_record_where_it_stays(tiny):
     llm = LLM(tiny.store("qwen3_moe"), device="cpu", preload=True, pool_gb=2 * STRIDE / 1e9, host_gb=0.01)
     try:
         assert len(llm.provider.host.slot_of) == llm.provider.geometry.num_records
+    finally:
+        llm.close()
+
+
+def test_prefill_fills_never_leave_another_layer_short(tiny):
+    """A decode leaves the pool uneven across layers; a prefill's fills then take free slots and those of layers
+    above their share, never a layer's last `share` records (which its own prefill step would fetch again)."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=8 * STRIDE / 1e9)  # 2 of 8 experts per layer
+    try:
+        p = llm.provider
+        n, share = p.geometry.num_experts, p.pool.num_slots // p.geometry.num_layers
+        # least recently used first: layer 1 holds one record, layer 2 two (its share), layer 0 five, layer 3 none
+        for rid in [p.geometry.rid(1, 0), p.geometry.rid(2, 0), p.geometry.rid(2, 1)] + [p.geometry.rid(0, e)
+                                                                                           for e in range(5)]:
+            p.pool.allocate(rid)
+        ids = torch.arange(64).remainder(n).view(32, 2)  # every expert, 8 entries each
+        list(p.batches(3, ids, torch.randn(32, 64)))
+        held = Counter(rid // n for rid in p.pool.slot_of)
+        assert held[3] == share and held[2] == share and held[1] == 1 and held[0] == 5 - share
     finally:
         llm.close()
