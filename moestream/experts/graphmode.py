@@ -12,12 +12,13 @@ class GraphMode:
 
     def preload(self, on_progress=None) -> str | None:
         """Load every record of the base precision into the GPU pool if it holds them all, else into the host
-        tier if it does. Returns where ("pool" or "host"), or None when neither holds the whole model."""
-        g, total, precision = self.geometry, self.geometry.num_records, self.cfg.precision
+        tier if it does, at the precision misses are fetched in (mixed mode's are Q3/Q2). Returns where ("pool"
+        or "host"), or None when neither holds the whole model."""
+        g, total = self.geometry, self.geometry.num_records
         if self.pool.num_slots >= total:
-            where = "pool"
+            where, precision = "pool", self.cfg.precision
         elif self.host is not None and self.host.capacity >= total:
-            where = "host"
+            where, precision = "host", self.miss_precision
         else:
             return None
         futures = []

@@ -112,3 +112,21 @@ def test_mixed_mode_reports_each_precision(lowbit_store):
         assert llm.stats()["totals"]["q2"]["hits"] == hits + 2
     finally:
         llm.close()
+
+
+def test_mixed_mode_host_tier_holds_the_miss_precision(lowbit_store):
+    """With a host tier that holds the model, mixed mode preloads it at the miss precision: its misses then come
+    from RAM, never from disk."""
+    stride = RecordLayout.build("q4", 64, 64).stride
+    llm = LLM(lowbit_store, device="cpu", experts=4, miss_experts=2, pool_gb=16.0001 * stride / 1e9, host_gb=0.01,
+              preload=True, ring_slots=8, ring_group=2)
+    try:
+        from moestream.sampling import SamplingParams
+
+        records = llm.provider.geometry.num_records
+        assert {("q2", rid) for rid in range(records)} <= set(llm.provider.host.slot_of)
+        llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=12))
+        q2 = llm.stats()["totals"]["q2"]["reads"]
+        assert q2["host"]["records"] > 0 and q2["disk"]["records"] == records  # the preload's reads alone
+    finally:
+        llm.close()
