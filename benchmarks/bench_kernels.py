@@ -159,7 +159,7 @@ def decode_configs(quick: bool):
 PREFILL_FIRST = [TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
                  TileConfig(256, 32, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 16, 3, 1),
                  TileConfig(128, 64, 64, 128, 128, 8, 4, 1), TileConfig(128, 64, 64, 64, 128, 4, 3, 1),
-                 *(TileConfig(bm, bn, 64, bnd, 64, 8, s, 0, swap=1) for bm, bn, bnd, s in
+                 *(TileConfig(bm, bn, 64, bnd, 64, 8, s, 1, swap=1) for bm, bn, bnd, s in
                    [(256, 64, 128, 3), (256, 64, 128, 2), (256, 64, 64, 2), (128, 128, 128, 2)])]
 
 
