@@ -102,8 +102,11 @@ RING_SCENARIOS = (("prefill", 512, 1), ("prefill", 4096, 1))
 def _measure(llm, base: dict, per_token: float, dense: int, scenarios) -> list[dict]:
     """`base`: the run's model, engine, pool and host-tier fields; `dense`: dense weight bytes per forward."""
     rng = random.Random(0)
-    # compile the kernels and capture the decode graph before timing (the first suite run timed them)
+    # compile the kernels and capture the decode graph before timing (the first suite run timed them); a process's
+    # first prompt of 512 or more tokens pays a one-time cost too (v5: 0.7 s on 30B), kept as `first_prefill_s`
     llm.generate([[rng.randrange(llm.config.vocab_size) for _ in range(64)]], SamplingParams(max_tokens=4))
+    first = llm.generate([[rng.randrange(llm.config.vocab_size) for _ in range(512)]], SamplingParams(max_tokens=1))
+    base = base | {"first_prefill_s": 512 / first[0].stats["timings"]["prefill_tok_s"]}
     runs = []
     for kind, n, new in scenarios:
         ids = [rng.randrange(llm.config.vocab_size) for _ in range(n)]
