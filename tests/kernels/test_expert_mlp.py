@@ -155,8 +155,8 @@ def test_decode_with_prefetch(precision):
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
-@pytest.mark.parametrize("precision,unpack,swap", [("q4", 1, 0), ("q3", 0, 0), ("q3", 1, 0), ("q2", 1, 0),
-                                                   ("q4", 0, 1), ("q4", 1, 1), ("q3", 1, 1), ("q2", 1, 1), ("bf16", 0, 1)])
+@pytest.mark.parametrize("precision,unpack,swap", [("q4", 1, 0), ("q3", 0, 0), ("q3", 1, 0), ("q2", 1, 0), ("q4", 0, 1),
+                                                   ("q4", 1, 1), ("q3", 1, 1), ("q2", 1, 1), ("bf16", 0, 1)])
 def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
     """BM 256 tiles (a whole expert's rows at 4096 tokens): one tile may hold every entry of an expert; each
     precision's codes unpacked per code (0) or per word (1); weights as the MMA's first operand (swap) or second."""
