@@ -12,13 +12,14 @@ class GraphMode:
 
     def preload(self, on_progress=None) -> str | None:
         """Load every record of the base precision into the GPU pool if it holds them all, else into the host
-        tier if it does, at the precision misses are fetched in (mixed mode's are Q3/Q2). Returns where ("pool"
-        or "host"), or None when neither holds the whole model."""
-        g, total = self.geometry, self.geometry.num_records
+        tier if it does, at the precision misses are fetched in; mixed mode then adds base-precision records
+        (for pool fills and lookahead) while the tier has free slots. Returns where ("pool" or "host"), or None
+        when neither holds the whole model."""
+        g, total, base = self.geometry, self.geometry.num_records, self.cfg.precision
         if self.pool.num_slots >= total:
-            where, precision = "pool", self.cfg.precision
+            where, precisions = "pool", [base]
         elif self.host is not None and self.host.capacity >= total:
-            where, precision = "host", self.miss_precision
+            where, precisions = "host", list(dict.fromkeys([self.miss_precision, base]))
         else:
             return None
         futures = []
@@ -28,11 +29,16 @@ class GraphMode:
                 rid = g.rid(layer, e)
                 if where == "pool" and self.pool.lookup(rid) is None:
                     items.append((rid, self.pool.allocate(rid)))
-                elif where == "host" and self.host.lookup((precision, rid)) is None:
-                    futures.append(self.fetcher.fill_host(rid, precision, layer))
-            futures += self._fetch(layer, items, precision) if items else []
+                elif where == "host" and self.host.lookup((precisions[0], rid)) is None:
+                    futures.append(self.fetcher.fill_host(rid, precisions[0], layer))
+            futures += self._fetch(layer, items, base) if items else []
             if on_progress:
                 on_progress(layer + 1, g.num_layers)
+        free = self.host.capacity - len(self.host.slot_of) if where == "host" else 0
+        for rid in range(total if len(precisions) > 1 else 0):  # never evicting a miss-precision record
+            if free > 0 and self.host.lookup((base, rid)) is None:
+                futures.append(self.fetcher.fill_host(rid, base, rid // g.num_experts))
+                free -= 1
         for f in futures:
             f.result(timeout=self.cfg.io_timeout_s * max(1, len(futures) // 64))
         return where

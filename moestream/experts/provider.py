@@ -10,7 +10,8 @@ whose copies the compute stream already waits for). Two paths, with the same res
   ring slot reused only after the batch that last read it is done (the seed's two-event protocol); a long
   prompt's next layer starts its ring fetches before its routing is known.
 Mixed mode (`miss_precision`): demand and ring misses are fetched at Q3/Q2, pool fills and lookahead at
-Q4, and a cached record keeps its precision; a batch holds one precision.
+Q4 (at Q3/Q2 when the host tier holds only that record, rather than wait on the disk), and a cached record keeps
+its precision; a batch holds one precision.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class StreamingProvider(GraphMode, RingPath):
             if slot is None:
                 break
             self.pool.prefetched.add(rid)
-            self._fetch(layer + 1, [(rid, slot)], self.cfg.precision)
+            self._fetch(layer + 1, [(rid, slot)], self._fill_precision(rid))
             c.prefetch_issued += 1
 
     # -- plumbing -------------------------------------------------------------------------------------
@@ -138,6 +139,14 @@ class StreamingProvider(GraphMode, RingPath):
             self.pool.prefetched.discard(rid)
             c.prefetch_used += 1
         return slot
+
+    def _fill_precision(self, rid: int) -> str:
+        """Pool fills and lookahead fetch the base precision, unless the host tier holds only the miss precision's
+        record (mixed mode with RAM for its misses alone): then that one, rather than wait on the disk."""
+        base, miss, host = self.cfg.precision, self.miss_precision, self.host
+        if miss != base and host is not None and (base, rid) not in host.slot_of and (miss, rid) in host.slot_of:
+            return miss
+        return base
 
     def _by_precision(self, jobs: list) -> list[tuple[str, list]]:
         groups: dict[str, list] = {}

@@ -83,8 +83,11 @@ class RingPath:
         def submit_ready(done_batch: int) -> None:
             nonlocal submitted
             while submitted < len(batches) and gate[submitted] <= done_batch:
-                for jobs, precision, is_ring in ((fills_of[submitted], self.cfg.precision, False),
-                                                 (ring_of[submitted], self.miss_precision, True)):
+                fills = {}
+                for job in fills_of[submitted]:
+                    fills.setdefault(self._fill_precision(job[1]), []).append(job)
+                for jobs, precision, is_ring in ([(jobs, p, False) for p, jobs in fills.items()]
+                                                 + [(ring_of[submitted], self.miss_precision, True)]):
                     items = [(rid, slot) for _, rid, slot in jobs]
                     for (j, _, _), f in zip(jobs, self._fetch(layer, items, precision, ring=is_ring) if jobs else ()):
                         waits[j] = f

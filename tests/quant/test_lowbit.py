@@ -114,19 +114,22 @@ def test_mixed_mode_reports_each_precision(lowbit_store):
         llm.close()
 
 
-def test_mixed_mode_host_tier_holds_the_miss_precision(lowbit_store):
-    """With a host tier that holds the model, mixed mode preloads it at the miss precision: its misses then come
-    from RAM, never from disk."""
+def test_mixed_mode_host_tier_holds_the_miss_precision_first(lowbit_store):
+    """With a host tier that holds the model, mixed mode preloads it at the miss precision, then Q4 records in
+    the slots left; fills and lookahead take Q4 from RAM where it is, else the miss precision: nothing waits on
+    the disk after loading."""
     stride = RecordLayout.build("q4", 64, 64).stride
-    llm = LLM(lowbit_store, device="cpu", experts=4, miss_experts=2, pool_gb=16.0001 * stride / 1e9, host_gb=0.01,
-              preload=True, ring_slots=8, ring_group=2)
+    llm = LLM(lowbit_store, device="cpu", experts=4, miss_experts=2, pool_gb=16.0001 * stride / 1e9,
+              host_gb=40.0001 * stride / 1e9, preload=True, ring_slots=8, ring_group=2)
     try:
         from moestream.sampling import SamplingParams
 
-        records = llm.provider.geometry.num_records
-        assert {("q2", rid) for rid in range(records)} <= set(llm.provider.host.slot_of)
+        records, keys = llm.provider.geometry.num_records, set(llm.provider.host.slot_of)
+        assert {("q2", rid) for rid in range(records)} <= keys and len(keys) == 40
         llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=12))
-        q2 = llm.stats()["totals"]["q2"]["reads"]
-        assert q2["host"]["records"] > 0 and q2["disk"]["records"] == records  # the preload's reads alone
+        totals = llm.stats()["totals"]
+        assert totals["q2"]["reads"]["host"]["records"] > 0 and totals["q4"]["reads"]["host"]["records"] > 0
+        assert totals["q2"]["reads"]["disk"]["records"] == records  # the preload's reads alone
+        assert totals["q4"]["reads"]["disk"]["records"] == 40 - records
     finally:
         llm.close()
