@@ -47,6 +47,7 @@ for stage in "$@"; do
                  echo "--- ${opt:-defaults}"
                  env $opt timeout 100 python -m benchmarks.bench_e2e /tmp/s12 --decode --decode-modes graph 2>&1 | grep "'mode'"
                done | tee "$OUT/decode-ab.log" ;;
+    first-prompt) timeout 120 python -m benchmarks.first_prompt 2>&1 | tee "$OUT/first-prompt.log" ;;
     limits) wait_stores; suite 120 limits ;;
     suite-30b) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes q4 ;;
     suite-lowbit) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes low-bit ;;
