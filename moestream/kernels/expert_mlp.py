@@ -93,8 +93,9 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
 
     cfg = cfg or tile_config("decode", layout)
     hidden, inter, o, bits = layout.hidden_size, layout.intermediate_size, _offsets(layout), layout.bits
-    # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's low plane holds two of its bits
-    field_mask = 0 if bits == 16 else ((1 << (2 if bits == 3 else bits)) - 1) << (23 - bits)
+    # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's codes are placed as Q4 nibbles
+    placed = 4 if bits == 3 else bits
+    field_mask = 0 if bits == 16 else ((1 << placed) - 1) << (23 - placed)
     n, group = entries.shape[0], layout.group_size or 64
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device) if h is None else h
     indirect = records is not None
