@@ -123,11 +123,11 @@ def _error(outs: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 def composed_decode(scored: list) -> TileConfig | None:
-    """The fastest gate/up tiles with the fastest down tiles, each judged by its own kernel's time at 1 and 4
-    rows (the sweep's configs pair them at random), or None without per-kernel times."""
+    """The fastest gate/up tiles with the fastest down tiles, each judged by its own kernel's time at 1 row (the
+    sweep's configs pair them at random), or None without per-kernel times."""
     def best(kernel):
         timed = [(cfg, r) for _, cfg, r in scored if all(f"{kernel}_us" in x for x in r)]
-        return min(timed, key=lambda t: sum(x[f"{kernel}_us"] / x["rows"] for x in t[1]))[0] if timed else None
+        return min(timed, key=lambda t: t[1][0][f"{kernel}_us"])[0] if timed else None
 
     up, down = best("gate_up"), best("down")
     if up is None or down is None:
@@ -198,7 +198,7 @@ def main() -> None:
                     if phase == "decode":  # quantized kernels timed one by one too, to compose the best of each
                         r = [decode_case(layout, pool, rows, g["top_k"], cfg, split=precision != "bf16")
                              for rows in (1, 4)]
-                        score = sum(x["gbs"] for x in r)
+                        score = r[0]["gbs"]  # one row: a single sequence's decode
                     else:
                         r = [prefill_case(layout, pool[: g["experts"]], 4096, g["top_k"], cfg)]
                         score = r[0]["tflops"]
@@ -218,7 +218,7 @@ def main() -> None:
                 r = [decode_case(layout, pool, rows, g["top_k"], composed, split=True) for rows in (1, 4)]
                 outs = [x.pop("out").float() for x in r]
                 if _error(outs, first) <= 2e-2:
-                    scored.append((sum(x["gbs"] for x in r), composed, r))
+                    scored.append((r[0]["gbs"], composed, r))
                     results[phase].append({"precision": precision, "config": dataclasses.asdict(composed), "runs": r,
                                            "composed": True})
             scored.sort(key=lambda t: -t[0])
