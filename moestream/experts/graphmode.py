@@ -34,11 +34,10 @@ class GraphMode:
             futures += self._fetch(layer, items, base) if items else []
             if on_progress:
                 on_progress(layer + 1, g.num_layers)
-        free = self.host.capacity - len(self.host.slot_of) if where == "host" else 0
-        for rid in range(total if len(precisions) > 1 else 0):  # never evicting a miss-precision record
-            if free > 0 and self.host.lookup((base, rid)) is None:
+        if len(precisions) > 1:  # mixed mode: Q4 records in the free slots alone, never evicting a low-bit one
+            free = self.host.capacity - len(self.host.slot_of)
+            for rid in [rid for rid in range(total) if (base, rid) not in self.host.slot_of][:free]:
                 futures.append(self.fetcher.fill_host(rid, base, rid // g.num_experts))
-                free -= 1
         for f in futures:
             f.result(timeout=self.cfg.io_timeout_s * max(1, len(futures) // 64))
         return where
