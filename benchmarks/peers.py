@@ -10,6 +10,11 @@ import torch
 
 from moestream.experts.store import open_store
 
+# transformers builds qwen4_exp's full-attention layers with their QSA indexer; the suite's flash-next geometry
+# has none, so the peer's indexer gets a budget over every prompt: it keeps all tokens, full attention, as ours
+QSA_FOR_ALL_TOKENS = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=8192,
+                          indexer_compress_ratio=4)
+
 
 def _hf_model(store: str, device: str):
     """The store's architecture in transformers. On the CPU the weights are zeros: random init of a 61 GB
@@ -17,6 +22,8 @@ def _hf_model(store: str, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(open_store(store).manifest.config)
+    if cfg["model_type"].startswith("qwen4_exp") and cfg.get("indexer_budget") is None:
+        cfg |= QSA_FOR_ALL_TOKENS
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device(device if device != "cpu" else "meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -64,21 +71,35 @@ def expert_offload_map(model) -> dict[str, str | int]:
     return out
 
 
-def run_peers(store: str, offload_tokens: int = 3) -> list[dict]:
+def run_peers(stores: dict[str, str], offload_tokens: int = 3) -> list[dict]:
+    """Both peers on each store ({suite model name: path}); a peer that cannot run on this machine (its
+    transformers lacks the architecture, or the model does not fit) leaves a row with its reason instead."""
     runs = []
+    for name, store in stores.items():
+        for engine, run in (("transformers (GPU)", _on_gpu),
+                            ("transformers + accelerate (experts on CPU)", _offloaded)):
+            try:
+                rows = run(store, offload_tokens)
+            except Exception as e:  # the reason goes in the report, and the other peers still run
+                rows = [{"scenario": "decode", "tokens": 16, "rate": None, "error": f"{type(e).__name__}: {e}"[:200]}]
+            finally:
+                torch.cuda.empty_cache()
+            offloaded = engine.startswith("transformers +")
+            for r in rows:
+                runs.append({"model": name, "engine": engine, "pool": 0.0 if offloaded else 1.0,
+                             "host_tier": offloaded, **r})
+                print(runs[-1])
+    return runs
+
+
+def _on_gpu(store: str, offload_tokens: int) -> list[dict]:
     model = _hf_model(store, "cuda")
-    vocab = model.config.vocab_size
-    for r in _rates(model, vocab, "cuda", 32, (512, 4096)):
-        runs.append({"model": "qwen3-30b", "engine": "transformers (GPU)", "pool": 1.0, "host_tier": False, **r})
-        print(runs[-1])
-    del model
-    torch.cuda.empty_cache()
+    return _rates(model, model.config.vocab_size, "cuda", 32, (512, 4096))
+
+
+def _offloaded(store: str, offload_tokens: int) -> list[dict]:
     from accelerate import dispatch_model
 
     model = _hf_model(store, "cpu")
     model = dispatch_model(model, device_map=expert_offload_map(model))
-    for r in _rates(model, vocab, "cuda", offload_tokens, (512,)):
-        runs.append({"model": "qwen3-30b", "engine": "transformers + accelerate (experts on CPU)", "pool": 0.0,
-                     "host_tier": True, **r})
-        print(runs[-1])
-    return runs
+    return _rates(model, model.config.vocab_size, "cuda", offload_tokens, (512,))

@@ -12,7 +12,7 @@ HEADER = ["scenario", "pool", "host tier", "engine", "tok/s", "bound", "of bound
 
 
 def _model(run: dict) -> str:
-    return run.get("model", "qwen3-30b")  # peers ran on the 30B geometry only
+    return run.get("model", "qwen3-30b")  # the first suites' peer rows name no model: they ran on 30B
 
 
 def _fmt(x: float | None) -> str:
@@ -97,6 +97,9 @@ def write_report(path: str) -> None:
     out += [f"Note: {note}\n" for note in state.get("notes", [])]
     for model in sorted({_model(r) for r in runs}):
         out += [f"## {model}", "", *table(runs, model), ""]
+        failed = [f"{r['engine']}: {r['error']}" for r in runs if _model(r) == model and r.get("error")]
+        if failed:  # a peer this machine could not run, and why
+            out += ["Peers that did not run: " + "; ".join(failed), ""]
         commits = {}
         for r in runs:
             if _model(r) == model and r.get("commit"):

@@ -166,10 +166,12 @@ def hit_rates(layers: list[dict]) -> list[float]:
 
 
 def stage_peers(args) -> list[dict]:
-    """transformers with the whole bf16 model on the GPU, and with the experts offloaded by accelerate."""
+    """transformers with the whole bf16 model on the GPU, and with the experts offloaded by accelerate, on each
+    store."""
     from benchmarks.peers import run_peers
 
-    return run_peers(STORES["qwen3-30b"], offload_tokens=args.offload_tokens)
+    stores = {name: path for name, path in STORES.items() if os.path.isfile(os.path.join(path, "manifest.json"))}
+    return run_peers(stores, offload_tokens=args.offload_tokens)
 
 
 def stage_report(args) -> None:
