@@ -120,6 +120,10 @@ class RingPath:
             return
         items = [(rid, self.pool.ring_slot(r)) for r, rid in enumerate(missing[: self.pool.ring_slots])]
         if items:
-            futures = self._fetch(layer, items, self.miss_precision, ring=True, early=True)
+            # a fetch call's copies share one ready event: one call a ring batch, so the next layer's first batch
+            # waits for its own copies, not for all RING of them
+            group = self.cfg.ring_group
+            futures = [f for i in range(0, len(items), group)
+                       for f in self._fetch(layer, items[i: i + group], self.miss_precision, ring=True, early=True)]
             self._speculated = (layer, {r: (rid, f) for r, ((rid, _), f) in enumerate(zip(items, futures))})
             self.stats.at(layer, self.miss_precision).prefetch_issued += len(items)

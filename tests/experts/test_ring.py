@@ -58,3 +58,22 @@ def test_off_by_default(tiny):
         assert llm.stats()["totals"]["q4"]["prefetch_issued"] == 0
     finally:
         llm.close()
+
+
+def test_early_fetches_go_one_ring_batch_per_call(tiny, monkeypatch):
+    """Copies of one fetch call share a ready event, so the early fetches go one ring batch a call: the next
+    layer's first batch then waits for its own copies, not for the whole ring's."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=2.0001 * STRIDE / 1e9, host_gb=0.01,
+              ring_lookahead=True, ring_group=2)
+    try:
+        calls, fetch = [], llm.provider._fetch
+
+        def spy(layer, items, precision, ring=False, early=False):
+            calls.append(len(items)) if early else None
+            return fetch(layer, items, precision, ring=ring, early=early)
+
+        monkeypatch.setattr(llm.provider, "_fetch", spy)
+        llm.generate([prompt_of(llm, 48)], SamplingParams(max_tokens=1))
+        assert calls and max(calls) == 2
+    finally:
+        llm.close()
