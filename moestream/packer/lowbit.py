@@ -45,7 +45,7 @@ def ensure_precision(store_path: str, precision: str, show_progress: bool = True
     final = os.path.join(store_path, experts_file(precision))
     # named for the Q4 file it derives from, so a resumed build never mixes in another store's records
     partial = f"{final}.{m.files[experts_file('q4')].sha256[:16]}.partial"
-    done = _resume_point(partial, low.stride)
+    done = min(_resume_point(partial, low.stride), total // BATCH * BATCH)  # a too-long file is cut back
     if show_progress:
         resumed = f", resuming at {done}" if done else ""
         print(f"deriving {precision} experts from q4 ({total} records, once{resumed})...", file=sys.stderr)

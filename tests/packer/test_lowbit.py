@@ -47,3 +47,13 @@ def test_cut_short_derivation_resumes(packed, tiny, tmp_path, monkeypatch):
     assert (store / "experts.q3.bin").read_bytes() == want
     assert sum(derived) == len(want) // stride - 4
     assert open_store(str(store), verify=True).manifest.layouts["q3"].stride == stride
+
+
+def test_a_temporary_file_longer_than_the_result_is_cut_back(packed, tiny, tmp_path, monkeypatch):
+    store = q4_only(tiny, tmp_path)
+    want = open(f"{packed}/experts.q3.bin", "rb").read()
+    monkeypatch.setattr(lowbit, "BATCH", 2)
+    partial_name = f"experts.q3.bin.{open_store(str(store)).manifest.files['experts.q4.bin'].sha256[:16]}.partial"
+    (store / partial_name).write_bytes(want + b"\xff" * (len(want) // 4))
+    lowbit.ensure_precision(str(store), "q3", show_progress=False)
+    assert (store / "experts.q3.bin").read_bytes() == want
