@@ -3,9 +3,12 @@ of the hybrid models (their q_proj emits a query and a gate per head)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moestream.config import ModelConfig
 from moestream.kernels import ops
@@ -44,6 +47,12 @@ class KVCache:
         return out
 
 
+# cuDNN's SDPA (which torch picks on Hopper for some lengths, e.g. multiples of 128) builds and compiles its graph
+# the first time a process uses it: ~0.7 s on the H200's first 512-token prompt. Flash attention (memory-efficient
+# with a mask) has no first-use cost, and prompts of every length then run the same kernel.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, Hq, D] (the last T of L positions); k, v [L, Hkv, D] -> [T, Hq, D]."""
     t, length = q.shape[0], k.shape[0]
@@ -54,9 +63,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         # with a mask, GQA may send SDPA to its math kernel (scores materialized): expand the KV heads instead
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # a whole prompt is plain causal attention, which SDPA runs as flash attention, GQA included
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, is_causal=1 < t == length, scale=scale,
-                                         enable_gqa=mask is None and groups > 1)
+    with sdpa_kernel(PREFILL_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask, is_causal=1 < t == length,
+                                             scale=scale, enable_gqa=mask is None and groups > 1)
     return out[0].transpose(0, 1)
 
 
