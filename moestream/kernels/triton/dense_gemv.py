@@ -2,23 +2,36 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moestream.kernels.triton.launch import dependent_start
+
+@triton.jit
+def _weights(w_ptr, n, live, k0, K: tl.constexpr, BK: tl.constexpr):
+    k = k0 + tl.arange(0, BK)
+    return tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & (k < K)[None, :], other=0.0)
 
 
 @triton.jit
 def dense_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    """Program i: y[n] for the BN rows n of block i, over K in chunks of BK (the last one masked)."""
-    dependent_start(PDL)
+    """Program i: y[n] for the BN rows n of block i, over K in chunks of BK (the last one masked).
+
+    Launched as a dependent (PDL), it lets the next kernel launch at once and loads its first weights before it
+    waits for x: the weights are never written, and the kernels after a projection read nothing before their
+    own wait."""
+    if PDL:
+        gdc_launch_dependents()
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     live = n < N
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    w = _weights(w_ptr, n, live, 0, K, BK)
+    if PDL:
+        gdc_wait()  # x is the kernel before's output
+    x = tl.load(x_ptr + tl.arange(0, BK), mask=tl.arange(0, BK) < K, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BK, K, BK):
         k = k0 + tl.arange(0, BK)
-        inside = k < K
-        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
-        x = tl.load(x_ptr + k, mask=inside, other=0.0)
+        w = _weights(w_ptr, n, live, k0, K, BK)
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
