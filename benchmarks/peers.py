@@ -12,7 +12,7 @@ from moestream.experts.store import open_store
 
 # transformers builds qwen4_exp's full-attention layers with their QSA indexer; the suite's flash-next geometry
 # has none, so the peer's indexer gets a budget over every prompt: it keeps all tokens, full attention, as ours
-QSA_FOR_ALL_TOKENS = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=8192,
+QSA_FOR_ALL_TOKENS = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=8192,
                           indexer_compress_ratio=4)
 
 
