@@ -26,13 +26,12 @@ def dense_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BN: tl.con
     w = _weights(w_ptr, n, live, 0, K, BK)
     if PDL:
         gdc_wait()  # x is the kernel before's output
-    x = tl.load(x_ptr + tl.arange(0, BK), mask=tl.arange(0, BK) < K, other=0.0)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    for k0 in range(BK, K, BK):
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        w = _weights(w_ptr, n, live, k0, K, BK)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _weights(w_ptr, n, live, k0 + BK, K, BK)  # the next chunk (past K: masked, nothing read)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)
