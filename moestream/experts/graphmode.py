@@ -15,11 +15,11 @@ class GraphMode:
         tier if it does, at the precision misses are fetched in; mixed mode then adds base-precision records
         (for pool fills and lookahead) while the tier has free slots. Returns where ("pool" or "host"), or None
         when neither holds the whole model."""
-        g, total, base = self.geometry, self.geometry.num_records, self.cfg.precision
+        g, total, base, miss = self.geometry, self.geometry.num_records, self.cfg.precision, self.miss_precision
         if self.pool.num_slots >= total:
-            where, precisions = "pool", [base]
+            where = "pool"
         elif self.host is not None and self.host.capacity >= total:
-            where, precisions = "host", list(dict.fromkeys([self.miss_precision, base]))
+            where = "host"
         else:
             return None
         futures = []
@@ -29,12 +29,12 @@ class GraphMode:
                 rid = g.rid(layer, e)
                 if where == "pool" and self.pool.lookup(rid) is None:
                     items.append((rid, self.pool.allocate(rid)))
-                elif where == "host" and self.host.lookup((precisions[0], rid)) is None:
-                    futures.append(self.fetcher.fill_host(rid, precisions[0], layer))
+                elif where == "host" and self.host.lookup((miss, rid)) is None:
+                    futures.append(self.fetcher.fill_host(rid, miss, layer))
             futures += self._fetch(layer, items, base) if items else []
             if on_progress:
                 on_progress(layer + 1, g.num_layers)
-        if len(precisions) > 1:  # mixed mode: Q4 records in the free slots alone, never evicting a low-bit one
+        if where == "host" and miss != base:  # mixed mode: Q4 records in the free slots alone, evicting none
             free = self.host.capacity - len(self.host.slot_of)
             for rid in [rid for rid in range(total) if (base, rid) not in self.host.slot_of][:free]:
                 futures.append(self.fetcher.fill_host(rid, base, rid // g.num_experts))
