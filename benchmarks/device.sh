@@ -52,7 +52,7 @@ for stage in "$@"; do
     suite-30b) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes q4 ;;
     suite-lowbit) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes low-bit ;;
     suite-next) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3.8-flash-next=/tmp/suite-qwen4 ;;
-    suite-peers) wait_stores; suite "${SUITE_SECONDS:-580}" peers ;;
+    suite-peers) wait_stores; suite "${PEERS_SECONDS:-${SUITE_SECONDS:-580}}" peers ;;
   esac
 done
 wait_stores

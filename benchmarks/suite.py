@@ -232,7 +232,9 @@ def main() -> None:
         save(stage_moestream(args) if args.stage == "moestream" else stage_peers(args))
     else:
         stage_report(args)
-    state.setdefault("stage_seconds", {})[args.stage] = time.time() - start
+    # keyed by what the call ran, so that each call's time is kept for planning the next lease
+    key = args.stage + (f" {args.modes} {','.join(STORES)}" if args.stage == "moestream" else "")
+    state.setdefault("stage_seconds", {})[key] = time.time() - start
     _save(args.out, state)
 
 
