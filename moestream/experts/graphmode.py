@@ -43,23 +43,26 @@ class GraphMode:
         return where
 
     def address_table(self) -> torch.Tensor | None:
-        """[num_layers, num_experts] int64 device addresses of every record in the base precision (GPU pool
-        slot, else pinned host-tier slot), or None when some record is in neither."""
+        """[num_layers, num_experts] int64 device addresses of every record (GPU pool slot, else pinned host-tier
+        slot at the miss precision, as a demand miss would fetch it), or None when some record is in neither. A
+        cached record is read at its own precision; mixed mode notes each one's in `addressed_low_bit`."""
         if not self.device.cuda:
             return None
         if self._table_state is None:
             self._table_state = "absent"
-            g, precision, stride = self.geometry, self.cfg.precision, self.pool.stride
-            table = []
+            g, base, miss, stride = self.geometry, self.cfg.precision, self.miss_precision, self.pool.stride
+            table, precisions = [], []
             for rid in range(g.num_records):
                 slot = self.pool.slot_of.get(rid)
-                if slot is not None and self.pool.precision_of[slot] == precision:
+                if slot is not None:
                     table.append(self.pool.buffer.data_ptr() + slot * stride)
+                    precisions.append(self.pool.precision_of[slot])
                     continue
-                hslot = self.host.slot_of.get((precision, rid)) if self.host else None
+                hslot = self.host.slot_of.get((miss, rid)) if self.host else None
                 if hslot is None:
                     return None
                 table.append(self.host.buffer.data_ptr() + hslot * self.host.stride)
+                precisions.append(miss)
             for f in self.pool.pending + (self.host.last_job if self.host else []):
                 if f is not None:
                     f.result(timeout=self.cfg.io_timeout_s)
@@ -67,9 +70,21 @@ class GraphMode:
             table = torch.tensor(table, dtype=torch.int64).view(g.num_layers, g.num_experts)
             if self._addresses is None:  # persistent, so a captured graph sees later rebuilds
                 self._addresses = torch.empty_like(table, device=self.device.device)
+                if miss != base:
+                    self._record_bits = torch.empty(table.shape, dtype=torch.int32, device=self.device.device)
             self._addresses.copy_(table)
+            if miss != base:
+                bits = [self.layouts[p].bits for p in precisions]
+                self._record_bits.copy_(torch.tensor(bits, dtype=torch.int32).view(table.shape))
             self._table_state = "valid"
         return self._addresses if self._table_state == "valid" else None
+
+    def addressed_low_bit(self, layer: int) -> tuple | None:
+        """Mixed mode: (the miss layout, layer `layer`'s record bits by expert id) for a step that reads records
+        by address, whose kernels then run once per precision; None with one precision."""
+        if self.miss_precision == self.cfg.precision:
+            return None
+        return self.layouts[self.miss_precision], self._record_bits[layer]
 
     def count_addressed(self, routed: torch.Tensor) -> None:
         """Note a decode step that read its records by address (a graph replay sees no provider): `routed`
@@ -86,24 +101,26 @@ class GraphMode:
             return
         ids = torch.stack(self._addressed).cpu().sort(-1).values  # [steps, layers, top_k]
         self._addressed = []
-        g, precision = self.geometry, self.cfg.precision
-        stride = self.layouts[precision].stride
+        g, base, miss = self.geometry, self.cfg.precision, self.miss_precision
         distinct = torch.ones_like(ids, dtype=torch.bool)
         distinct[..., 1:] = ids[..., 1:] != ids[..., :-1]
         rid = ids + torch.arange(g.num_layers)[None, :, None] * g.num_experts
-        resident = torch.zeros(g.num_records, dtype=torch.bool)
+        cached = {p: torch.zeros(g.num_records, dtype=torch.bool) for p in {base, miss}}
         for r, slot in self.pool.slot_of.items():
-            resident[r] = self.pool.precision_of[slot] == precision
+            cached[self.pool.precision_of[slot]][r] = True
+        # as the host path counts: a hit at its record's precision; a miss at the base one, read at the miss one
+        hits = {p: (distinct & c[rid]).sum((0, 2)).tolist() for p, c in cached.items()}
         lookups = distinct.sum((0, 2)).tolist()
-        hits = (distinct & resident[rid]).sum((0, 2)).tolist()
         uses = torch.bincount(rid[distinct], minlength=g.num_records).view(g.num_layers, g.num_experts).tolist()
         for layer in range(g.num_layers):
-            c = self.stats.at(layer, precision)
-            misses = lookups[layer] - hits[layer]
+            misses = lookups[layer] - sum(h[layer] for h in hits.values())
+            c = self.stats.at(layer, base)
             c.decode_steps += ids.shape[0]
-            c.lookups += lookups[layer]
-            c.hits += hits[layer]
+            c.lookups += misses
             c.misses += misses
-            self.stats.read(layer, precision, "gpu", hits[layer] * stride, records=hits[layer])
-            self.stats.read(layer, precision, "host", misses * stride, records=misses)
+            self.stats.read(layer, miss, "host", misses * self.layouts[miss].stride, records=misses)
+            for p, h in hits.items():
+                self.stats.at(layer, p).lookups += h[layer]
+                self.stats.at(layer, p).hits += h[layer]
+                self.stats.read(layer, p, "gpu", h[layer] * self.layouts[p].stride, records=h[layer])
             self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], uses[layer])]

@@ -56,7 +56,7 @@ class StreamingProvider(GraphMode, RingPath):
                                cfg.fake_reads)
         self.profiler = Profiler(cfg.profile and self.device.cuda)
         self.routers: dict[int, torch.Tensor] = {}  # layer slot -> router weight, for lookahead
-        self._addresses, self._table_state = None, None  # graph mode (graphmode.py)
+        self._addresses, self._record_bits, self._table_state = None, None, None  # graph mode (graphmode.py)
         self._addressed: list[torch.Tensor] = []  # expert ids of graph-mode steps not counted yet
 
     def attach(self, routers: dict[int, torch.Tensor]) -> None:

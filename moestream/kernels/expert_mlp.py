@@ -86,32 +86,36 @@ def _offsets(layout: RecordLayout) -> dict:
 
 def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, addr: torch.Tensor,
                   layout: RecordLayout, top_k: int, h: torch.Tensor | None = None,
-                  cfg: TileConfig | None = None, records: torch.Tensor | None = None) -> None:
+                  cfg: TileConfig | None = None, records: torch.Tensor | None = None,
+                  record_bits: torch.Tensor | None = None) -> None:
     """Routing entry entries[i] computed with the record at addr[i] (or at addr[records[i]]: addr a layer's
-    table by expert id), as GEMVs that never unpack a tile. x [T, H]; out [T * top_k, H]."""
+    table by expert id), as GEMVs that never unpack a tile. x [T, H]; out [T * top_k, H]. With `record_bits` (by
+    expert id, as addr), only the entries whose record has `layout`'s bits."""
     from moestream.kernels.triton.expert_gemv import down_gemv_kernel, gate_up_gemv_kernel
 
     cfg = cfg or tile_config("decode", layout)
-    hidden, inter, o, bits = layout.hidden_size, layout.intermediate_size, _offsets(layout), layout.bits
+    hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
     # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's codes are placed as Q4 nibbles
-    placed = 4 if bits == 3 else bits
-    field_mask = 0 if bits == 16 else ((1 << placed) - 1) << (23 - placed)
+    placed = 4 if layout.bits == 3 else layout.bits
+    field_mask = 0 if layout.bits == 16 else ((1 << placed) - 1) << (23 - placed)
     n, group = entries.shape[0], layout.group_size or 64
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device) if h is None else h
     indirect = records is not None
     records = records if indirect else entries  # unread unless indirect
+    select = record_bits is not None
+    record_bits = record_bits if select else entries  # unread unless select
     # decode "stages": 2 = the next chunk's loads in flight while one computes
     (warps_down, stages_down), prefetch = cfg.down, cfg.num_stages > 1
     pdl, wait = dependent(x, "down"), dependent(x)  # the down GEMV starts while gate/up runs
     gate_up_gemv_kernel[(n, inter // cfg.bn_gate_up)](
-        x, h, entries, addr, records, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"], o["up_h"],
-        o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits, GROUP=group,
+        x, h, entries, addr, records, record_bits, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"],
+        o["up_h"], o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group,
         BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, PDL=pdl, INDIRECT=indirect, WAIT=wait,
-        num_warps=cfg.num_warps, num_stages=1, **options(wait))
+        SELECT=select, num_warps=cfg.num_warps, num_stages=1, **options(wait))
     down_gemv_kernel[(n, hidden // cfg.bn_down)](
-        h, out, entries, addr, records, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask, H=hidden,
-        I=inter, BITS=bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=stages_down > 1, PDL=pdl,
-        INDIRECT=indirect, num_warps=warps_down, num_stages=1, **options(pdl))
+        h, out, entries, addr, records, record_bits, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask,
+        H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=stages_down > 1,
+        PDL=pdl, INDIRECT=indirect, SELECT=select, num_warps=warps_down, num_stages=1, **options(pdl))
 
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
@@ -216,7 +220,14 @@ def _identity(n: int, device: torch.device) -> torch.Tensor:
 
 
 def per_entry(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, layout: RecordLayout, top_k: int,
-              out: torch.Tensor) -> None:
+              out: torch.Tensor, low_bit: tuple[RecordLayout, torch.Tensor] | None = None) -> None:
     """Graph mode: routing entry e = row * top_k + k reads the record at `table[ids[e]]` (a layer's device
-    table of record addresses by expert id), so a decode step needs no host decision."""
-    launch_decode(x, out, _identity(ids.shape[0], x.device), table, layout, top_k, records=ids)
+    table of record addresses by expert id), so a decode step needs no host decision. Mixed mode, `low_bit`:
+    the miss layout and the layer's record bits by expert id; each precision's entries in a launch of its own."""
+    entries = _identity(ids.shape[0], x.device)
+    if low_bit is None:
+        launch_decode(x, out, entries, table, layout, top_k, records=ids)
+        return
+    miss_layout, record_bits = low_bit
+    for each in (layout, miss_layout):
+        launch_decode(x, out, entries, table, each, top_k, records=ids, record_bits=record_bits)

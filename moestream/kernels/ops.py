@@ -116,8 +116,9 @@ def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout
 
 
 def expert_entries(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, layout: RecordLayout, top_k: int,
-                   out: torch.Tensor) -> None:
-    """Routing entry e = row * top_k + k computed with the record at device address `table[ids[e]]`."""
+                   out: torch.Tensor, low_bit: tuple[RecordLayout, torch.Tensor] | None = None) -> None:
+    """Routing entry e = row * top_k + k computed with the record at device address `table[ids[e]]`; mixed
+    mode, `low_bit`: (the miss layout, each expert's record bits), for the records held at the miss precision."""
     from moestream.kernels import expert_mlp
 
-    expert_mlp.per_entry(x, table, ids, layout, top_k, out)
+    expert_mlp.per_entry(x, table, ids, layout, top_k, out, low_bit)

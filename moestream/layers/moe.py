@@ -32,7 +32,8 @@ class SparseMoE(nn.Module):
                                  routed if addresses is not None else None)
         y = x.new_empty(t * self.top_k, h)
         if addresses is not None:
-            ops.expert_entries(x, addresses, ids.reshape(-1), self.provider.layout, self.top_k, y)
+            ops.expert_entries(x, addresses, ids.reshape(-1), self.provider.layout, self.top_k, y,
+                               self.provider.addressed_low_bit(self.layer_slot))
         else:
             for b in self.provider.batches(self.layer_slot, ids, x):
                 ops.expert_group(x, b.buffer, b.slots, b.layout, b.spans, b.order, self.top_k, y)

@@ -113,6 +113,31 @@ def test_per_entry_reads_the_table_by_expert_id(precision):
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
+@pytest.mark.parametrize("miss", ["q3", "q2"])
+def test_per_entry_mixed_precision(miss):
+    """Mixed mode in graph mode: the table points at Q4 and low-bit records alike, the record bits say which is
+    which, and each precision's launch computes its own entries (and every entry is written once)."""
+    from moestream.kernels import expert_mlp
+
+    gen = torch.Generator().manual_seed(7)
+    q4, low = RecordLayout.build("q4", 128, 64), RecordLayout.build(miss, 128, 64)
+    bufs = {"q4": make_buffer(q4, 2, gen), miss: make_buffer(low, 2, gen)}
+    where = [("q4", 1), (miss, 0), ("q4", 0), (miss, 1)]  # expert -> (precision, slot)
+    table = torch.tensor([bufs[p][s].data_ptr() for p, s in where], device=DEVICE)
+    record_bits = torch.tensor([4 if p == "q4" else low.bits for p, _ in where], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(3, 128, generator=gen).to(DEVICE, DTYPE)
+    ids = torch.tensor([3, 0, 2, 1, 1, 3], device=DEVICE)
+    out = torch.full((6, 128), float("nan"), dtype=DTYPE, device=DEVICE)
+    expert_mlp.per_entry(x, table, ids, q4, 2, out, low_bit=(low, record_bits))
+    want = torch.empty_like(out)
+    for e, expert in enumerate(ids.tolist()):
+        p, slot = where[expert]
+        layout = q4 if p == "q4" else low
+        reference.expert_group(x, bufs[p], [slot], layout, [(0, 1)], torch.tensor([e], device=DEVICE), 2, want)
+    assert not torch.isnan(out).any()
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
 def test_decode_bf16_activations(precision):
     """Decode reads bf16 activations two per 32-bit load; the arithmetic stays fp32."""

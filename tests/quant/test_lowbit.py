@@ -1,6 +1,8 @@
 """Q3/Q2 records derived from Q4 hold exactly q4 >> 1 / q4 >> 2 (read back with an independent numpy unpacker),
 keep their scales and biases, and dequantize at the bin midpoints."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -133,3 +135,57 @@ def test_mixed_mode_host_tier_holds_the_miss_precision_first(lowbit_store):
         assert totals["q4"]["reads"]["disk"]["records"] == 40 - records
     finally:
         llm.close()
+
+
+def test_mixed_mode_steps_read_by_address_are_counted_per_precision(lowbit_store):
+    """A graph step in mixed mode reads each cached record at its own precision and a miss at the miss one from
+    the host tier; its counts say so, as the host path's do."""
+    q4, q2 = (RecordLayout.build(p, 64, 64).stride for p in ("q4", "q2"))
+    llm = LLM(lowbit_store, device="cpu", experts=4, miss_experts=2, pool_gb=16.0001 * q4 / 1e9,
+              host_gb=40.0001 * q4 / 1e9, preload=True, ring_slots=8, ring_group=2)
+    try:
+        from moestream.sampling import SamplingParams
+
+        llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=4))
+        provider, before = llm.provider, llm.stats()["totals"]
+        g, pool = provider.geometry, provider.pool
+        precision = {rid: pool.precision_of[slot] for rid, slot in pool.slot_of.items()}
+        assert set(precision.values()) == {"q4", "q2"}  # fills at Q4, demand misses kept at 2 bits
+        routed = torch.tensor([list(range(llm.config.num_experts_per_tok))] * g.num_layers)
+        used = [g.rid(layer, e) for layer in range(g.num_layers) for e in routed[0].tolist()]
+        cached = Counter(precision.get(rid, "miss") for rid in used)
+        provider.count_addressed(routed)
+        after = llm.stats()["totals"]
+
+        def grew(*keys):  # a counter's growth; a precision absent before counted 0
+            def at(totals):
+                for k in keys:
+                    totals = totals.get(k, {})
+                return totals or 0
+            return at(after) - at(before)
+
+        assert grew("q4", "hits") == cached["q4"] and grew("q2", "hits") == cached["q2"]
+        assert grew("q4", "misses") == cached["miss"] and grew("q4", "lookups") == cached["q4"] + cached["miss"]
+        assert grew("q2", "reads", "host", "records") == cached["miss"]
+        assert grew("q2", "reads", "host", "bytes") == cached["miss"] * q2
+        assert grew("q2", "reads", "gpu", "bytes") == cached["q2"] * q2
+    finally:
+        llm.close()
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_mode_decode_runs_as_graphs(lowbit_store):
+    """Mixed mode with a host tier holding every record at the miss precision: decode steps are CUDA graphs
+    (each precision's kernels skip the other's entries), and they give the bits of the same step run eagerly."""
+    stride = RecordLayout.build("q4", 64, 64).stride
+    traces = []
+    for mode in ("graph", "addressed"):
+        llm = LLM(lowbit_store, device="cuda", dtype="bfloat16", experts=4, miss_experts=2,
+                  pool_gb=16.0001 * stride / 1e9, host_gb=40.0001 * stride / 1e9, preload=True, decode_mode=mode)
+        try:
+            traces.append(greedy_trace(llm, prompt_of(llm, 40), 12))
+            replays = llm.decoder.graph_replays
+        finally:
+            llm.close()
+        assert (replays > 0) == (mode == "graph")
+    assert traces[0][0] == traces[1][0] and torch.equal(traces[0][1], traces[1][1])

@@ -150,25 +150,30 @@ def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: t
 
 
 @triton.jit
-def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, off_gw, off_gh, off_gs, off_gb,
-                        off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
+def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_gw, off_gh, off_gs,
+                        off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr,
-                        WAIT: tl.constexpr):
+                        WAIT: tl.constexpr, SELECT: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
     PREFETCH loads chunk k0 + BK before computing chunk k0 (Triton's pipeliner leaves loads that feed no
     tl.dot alone), so a warp keeps a chunk of HBM reads in flight while it computes. PDL lets the down
     kernel start early (programmatic dependent launch), to read its weights while this one runs; WAIT: this one
     was launched as a dependent too. INDIRECT: program i's record address is tile_addr[records[i]] (a layer's
-    address table indexed by expert id)."""
+    address table indexed by expert id). SELECT (mixed precision, INDIRECT): only the entries whose record has
+    bits_ptr[records[i]] == BITS; another launch computes the others."""
     if WAIT:
         dependent_start(True)
     elif PDL:
         gdc_launch_dependents()
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
-    base = record_base(tile_addr_ptr, tl.load(records_ptr + i) if INDIRECT else i)
+    record = tl.load(records_ptr + i) if INDIRECT else i
+    if SELECT:
+        if tl.load(bits_ptr + record) != BITS:
+            return
+    base = record_base(tile_addr_ptr, record)
     xrow = x_ptr + (e // TOP_K) * H
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
@@ -195,15 +200,19 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, o
 
 
 @triton.jit
-def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, off_dw, off_dh, off_ds, off_db,
-                     field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_dw, off_dh, off_ds,
+                     off_db, field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                     INDIRECT: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH, INDIRECT as in gate_up_gemv_kernel). Launched with PDL
-    it may start before gate_up has finished: the first chunk's weights load before it waits for h."""
+                     INDIRECT: tl.constexpr, SELECT: tl.constexpr):
+    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH, INDIRECT, SELECT as in gate_up_gemv_kernel). Launched
+    with PDL it may start before gate_up has finished: the first chunk's weights load before it waits for h."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
-    base = record_base(tile_addr_ptr, tl.load(records_ptr + i) if INDIRECT else i)
+    record = tl.load(records_ptr + i) if INDIRECT else i
+    if SELECT:
+        if tl.load(bits_ptr + record) != BITS:
+            return
+    base = record_base(tile_addr_ptr, record)
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     acc = tl.zeros((BN, W), dtype=tl.float32)
