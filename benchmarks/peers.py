@@ -48,6 +48,7 @@ def _rates(model, vocab: int, device: str, decode_tokens: int, prefill: tuple[in
     out.append({"scenario": "decode", "tokens": 16, "rate": decode_tokens / (time.perf_counter() - start)})
     for n in prefill:
         ids = torch.tensor([[rng.randrange(vocab) for _ in range(n)]], device=device)
+        model(ids, logits_to_keep=1)  # untimed: a first call at a new length builds cuDNN's attention graph
         torch.cuda.synchronize()
         start = time.perf_counter()
         model(ids, logits_to_keep=1)
