@@ -103,4 +103,4 @@ def _offloaded(store: str, offload_tokens: int) -> list[dict]:
 
     model = _hf_model(store, "cpu")
     model = dispatch_model(model, device_map=expert_offload_map(model))
-    return _rates(model, model.config.vocab_size, "cuda", offload_tokens, (512,))
+    return _rates(model, model.config.vocab_size, "cuda", offload_tokens, (512, 4096))
