@@ -111,11 +111,26 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
         x, h, entries, addr, records, record_bits, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"],
         o["up_h"], o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group,
         BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, PDL=pdl, INDIRECT=indirect, WAIT=wait,
-        SELECT=select, num_warps=cfg.num_warps, num_stages=1, **options(wait))
+        SELECT=select, **_tails(hidden, cfg.bk_gate_up), num_warps=cfg.num_warps, num_stages=1, **options(wait))
     down_gemv_kernel[(n, hidden // cfg.bn_down)](
         h, out, entries, addr, records, record_bits, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask,
         H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=stages_down > 1,
-        PDL=pdl, INDIRECT=indirect, SELECT=select, num_warps=warps_down, num_stages=1, **options(pdl))
+        PDL=pdl, INDIRECT=indirect, SELECT=select, **_tails(inter, cfg.bk_down), num_warps=warps_down, num_stages=1,
+        **options(pdl))
+
+
+@functools.cache
+def _tails(k: int, bk: int) -> dict:
+    """The decode GEMVs' columns past their whole BK chunks, in up to two power-of-two parts (the last one
+    masked where two do not fit it exactly): 768 = 512 + 256 at BK 1024; 2560 = 2048 + 512 at BK 2048."""
+    rest, parts = k % bk, []
+    while rest and len(parts) < 2:
+        part = 1 << (rest.bit_length() - 1)
+        part = part * 2 if parts and part < rest else part
+        parts.append(part)
+        rest -= min(part, rest)
+    parts += [0] * (2 - len(parts))
+    return {"TAIL1": parts[0], "TAIL2": parts[1]}
 
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,

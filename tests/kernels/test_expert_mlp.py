@@ -207,9 +207,11 @@ def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
 
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
 @pytest.mark.parametrize("stages", [1, 2, (1, 4, 2)])  # (gate/up stages, down's warps, down's stages)
-def test_decode_chunks_past_k(precision, stages):
-    """Decode K chunks need not divide K: a partial last chunk (192 = 128 + 64) and one chunk wider than K
-    (64 < 256) read zeros past the end; the down kernel may take warps and stages of its own."""
+@pytest.mark.parametrize("bk", [128, 256])
+def test_decode_chunks_past_k(precision, stages, bk):
+    """Decode K chunks need not divide K: the columns past the whole chunks go in power-of-two parts (192 = 128
+    + 64 at BK 128, 128 + 64 at BK 256; 64 at BK 256 for down); the down kernel may take warps and stages of its
+    own."""
     from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
@@ -221,7 +223,7 @@ def test_decode_chunks_past_k(precision, stages):
     addr = torch.tensor([buf[0].data_ptr(), buf[1].data_ptr()], device=DEVICE)
     out = torch.full((2, 192), float("nan"), dtype=DTYPE, device=DEVICE)
     up_stages, *down = stages if isinstance(stages, tuple) else (stages, 0, 0)
-    cfg = TileConfig(1, 16, 128, 32, 256, 2, up_stages, 0, *down)
+    cfg = TileConfig(1, 16, bk, 32, 256, 2, up_stages, 0, *down)
     expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=cfg)
     want = torch.empty(2, 192, dtype=DTYPE, device=DEVICE)
     for i in range(2):

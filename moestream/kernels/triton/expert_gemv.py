@@ -19,19 +19,21 @@ def _field(w, SHIFT: tl.constexpr, mask):
 
 
 @triton.jit
-def _gemv_load(base, off_w, off_h, n, k0, K: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr):
-    """The weight bits of columns k0..k0+BK of rows n, zeros past K (so BK need not divide K): bf16 values
-    [BN, BK], or code words [BN, BK // PER] and Q3's high-bit half-words (the words again when there are none)."""
+def _gemv_load(base, off_w, off_h, n, k0, K: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr,
+               LIMIT: tl.constexpr):
+    """The weight bits of columns k0..k0+BK of rows n (of K), zeros from column LIMIT on, nothing read there:
+    bf16 values [BN, BK], or code words [BN, BK // PER] and Q3's high-bit half-words (the words again when there
+    are none)."""
     if BITS == 16:
         k = k0 + tl.arange(0, BK)
         words = tl.load((base + off_w).to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :],
-                        mask=k[None, :] < K, other=0)
+                        mask=k[None, :] < LIMIT, other=0)
         high = words
     else:
         WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
         PER: tl.constexpr = 32 // WBITS
         wc = k0 // PER + tl.arange(0, BK // PER)
-        live = wc[None, :] < K // PER
+        live = wc[None, :] < LIMIT // PER
         words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + n[:, None] * (K // PER) + wc[None, :],
                         mask=live, other=0)
         if BITS == 3:  # the high bits of word wc's 16 codes are 16-bit word wc of the `_h` plane (little-endian)
@@ -53,6 +55,16 @@ def _gemv_acc(acc, words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, 
     else:
         acc += _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K, BITS, GROUP, BN, BK)
     return acc
+
+
+@triton.jit
+def _span_sum(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr, BITS: tl.constexpr,
+              GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """[BN]: W[n, k] * v[k] summed over columns k0..k0+BK, from `_gemv_load`'s bits."""
+    W: tl.constexpr = BK if BITS == 16 else BK // GROUP
+    acc = _gemv_acc(tl.zeros((BN, W), dtype=tl.float32), words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask,
+                    K, BITS, GROUP, BN, BK)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -154,7 +166,7 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
                         off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr,
-                        WAIT: tl.constexpr, SELECT: tl.constexpr):
+                        WAIT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
     PREFETCH loads chunk k0 + BK before computing chunk k0 (Triton's pipeliner leaves loads that feed no
@@ -162,7 +174,8 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
     kernel start early (programmatic dependent launch), to read its weights while this one runs; WAIT: this one
     was launched as a dependent too. INDIRECT: program i's record address is tile_addr[records[i]] (a layer's
     address table indexed by expert id). SELECT (mixed precision, INDIRECT): only the entries whose record has
-    bits_ptr[records[i]] == BITS; another launch computes the others."""
+    bits_ptr[records[i]] == BITS; another launch computes the others. Columns past the whole BK chunks go in
+    parts of TAIL1 and TAIL2 (0: none), loaded with the first chunk, so no chunk computes masked columns."""
     if WAIT:
         dependent_start(True)
     elif PDL:
@@ -177,24 +190,38 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
     xrow = x_ptr + (e // TOP_K) * H
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
+    MAIN: tl.constexpr = H // BK * BK
+    if TAIL1 > 0:
+        g1w, g1h = _gemv_load(base, off_gw, off_gh, n, MAIN, H, BITS, TAIL1, H)
+        u1w, u1h = _gemv_load(base, off_uw, off_uh, n, MAIN, H, BITS, TAIL1, H)
+    if TAIL2 > 0:
+        g2w, g2h = _gemv_load(base, off_gw, off_gh, n, MAIN + TAIL1, H, BITS, TAIL2, H)
+        u2w, u2h = _gemv_load(base, off_uw, off_uh, n, MAIN + TAIL1, H, BITS, TAIL2, H)
     acc_g = tl.zeros((BN, W), dtype=tl.float32)
     acc_u = tl.zeros((BN, W), dtype=tl.float32)
     if PREFETCH:
-        gw, gh = _gemv_load(base, off_gw, off_gh, n, 0, H, BITS, BK)
-        uw, uh = _gemv_load(base, off_uw, off_uh, n, 0, H, BITS, BK)
-        for k0 in range(0, H, BK):
-            gw_next, gh_next = _gemv_load(base, off_gw, off_gh, n, k0 + BK, H, BITS, BK)
-            uw_next, uh_next = _gemv_load(base, off_uw, off_uh, n, k0 + BK, H, BITS, BK)
+        gw, gh = _gemv_load(base, off_gw, off_gh, n, 0, H, BITS, BK, MAIN)
+        uw, uh = _gemv_load(base, off_uw, off_uh, n, 0, H, BITS, BK, MAIN)
+        for k0 in range(0, MAIN, BK):
+            gw_next, gh_next = _gemv_load(base, off_gw, off_gh, n, k0 + BK, H, BITS, BK, MAIN)
+            uw_next, uh_next = _gemv_load(base, off_uw, off_uh, n, k0 + BK, H, BITS, BK, MAIN)
             acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
             acc_u = _gemv_acc(acc_u, uw, uh, base, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
             gw, gh, uw, uh = gw_next, gh_next, uw_next, uh_next
     else:
-        for k0 in range(0, H, BK):
-            gw, gh = _gemv_load(base, off_gw, off_gh, n, k0, H, BITS, BK)
-            uw, uh = _gemv_load(base, off_uw, off_uh, n, k0, H, BITS, BK)
+        for k0 in range(0, MAIN, BK):
+            gw, gh = _gemv_load(base, off_gw, off_gh, n, k0, H, BITS, BK, MAIN)
+            uw, uh = _gemv_load(base, off_uw, off_uh, n, k0, H, BITS, BK, MAIN)
             acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
             acc_u = _gemv_acc(acc_u, uw, uh, base, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
     g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    if TAIL1 > 0:
+        g += _span_sum(g1w, g1h, base, off_gs, off_gb, n, xrow, MAIN, field_mask, H, BITS, GROUP, BN, TAIL1)
+        u += _span_sum(u1w, u1h, base, off_us, off_ub, n, xrow, MAIN, field_mask, H, BITS, GROUP, BN, TAIL1)
+    if TAIL2 > 0:
+        k2: tl.constexpr = MAIN + TAIL1
+        g += _span_sum(g2w, g2h, base, off_gs, off_gb, n, xrow, k2, field_mask, H, BITS, GROUP, BN, TAIL2)
+        u += _span_sum(u2w, u2h, base, off_us, off_ub, n, xrow, k2, field_mask, H, BITS, GROUP, BN, TAIL2)
     h = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
 
@@ -203,9 +230,10 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
 def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_dw, off_dh, off_ds,
                      off_db, field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                     INDIRECT: tl.constexpr, SELECT: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH, INDIRECT, SELECT as in gate_up_gemv_kernel). Launched
-    with PDL it may start before gate_up has finished: the first chunk's weights load before it waits for h."""
+                     INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
+    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
+    Launched with PDL it may start before gate_up has finished: the first chunk's weights load before it waits
+    for h."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(entries_ptr + i)
     record = tl.load(records_ptr + i) if INDIRECT else i
@@ -215,18 +243,28 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
     base = record_base(tile_addr_ptr, record)
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
+    MAIN: tl.constexpr = I // BK * BK
     acc = tl.zeros((BN, W), dtype=tl.float32)
     hrow = h_ptr + i * I
-    dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK)
+    dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK, MAIN)
+    if TAIL1 > 0:
+        d1w, d1h = _gemv_load(base, off_dw, off_dh, n, MAIN, I, BITS, TAIL1, I)
+    if TAIL2 > 0:
+        d2w, d2h = _gemv_load(base, off_dw, off_dh, n, MAIN + TAIL1, I, BITS, TAIL2, I)
     if PDL:
         gdc_wait()  # h is the gate/up kernel's output
-    for k0 in range(0, I, BK):
-        if PREFETCH:  # the next chunk in flight while this one computes (past I: masked, nothing read)
-            dw_next, dh_next = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK)
+    for k0 in range(0, MAIN, BK):
+        if PREFETCH:  # the next chunk in flight while this one computes (past MAIN: masked, nothing read)
+            dw_next, dh_next = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK, MAIN)
             acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
             dw, dh = dw_next, dh_next
         else:
             acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
-            if k0 + BK < I:
-                dw, dh = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK)
-    tl.store(y_ptr + e * H + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+            if k0 + BK < MAIN:
+                dw, dh = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK, MAIN)
+    y = tl.sum(acc, axis=1)
+    if TAIL1 > 0:
+        y += _span_sum(d1w, d1h, base, off_ds, off_db, n, hrow, MAIN, field_mask, I, BITS, GROUP, BN, TAIL1)
+    if TAIL2 > 0:
+        y += _span_sum(d2w, d2h, base, off_ds, off_db, n, hrow, MAIN + TAIL1, field_mask, I, BITS, GROUP, BN, TAIL2)
+    tl.store(y_ptr + e * H + n, y.to(y_ptr.dtype.element_ty))
