@@ -32,7 +32,7 @@ for stage in "$@"; do
     kernel-tests) timeout 240 python -m pytest -q -n 4 -m gpu ${KERNEL_TESTS:-tests/kernels} 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
     kernels) timeout 330 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
              cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
-    kernels-decode) timeout 150 python -m benchmarks.bench_kernels --quick --tune --phases decode 2>&1 | tee "$OUT/kernels.log" | tail -8
+    kernels-decode) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases decode 2>&1 | tee "$OUT/kernels.log" | tail -8
                     cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
     decode) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --decode --profile 2>&1 | tee "$OUT/decode.log" | tail -30 ;;
     e2e) wait_stores; timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
