@@ -125,15 +125,19 @@ def prefill_score(runs: list[dict]) -> float:
     return 1e3 / (runs[0]["ms"] + RING_BATCHES * runs[1]["ms"])
 
 
-# Decode "stages" 2 = the next chunk's weights loaded while one computes (the GEMVs' own prefetch). At one row a
-# layer's GEMVs are a chain of chunk loads (~0.7 us of HBM latency each) with few warps to hide them, so these
-# open the sweep: one chunk for all of K (2048; down's 768 in one masked 1024-wide chunk) or prefetched chunks,
+# Decode "stages" S = S - 1 chunks' weights loaded ahead while one computes (the GEMVs' own prefetch, up to 3).
+# At one row a layer's GEMVs are a chain of chunk loads (~0.7 us of HBM latency each) with few warps to hide
+# them, so these open the sweep: one chunk for all of K (2048; down's 768 as 512 + 256) or prefetched chunks,
 # with 16-32 rows a program so that each thread reuses its activations over two rows (SASS counted for sm_90
-# here: 3.1-3.4 instructions per code against 5.3 for the session-11 best, which follows with prefetch).
+# here: 3.1-3.4 instructions per code against 5.3 for the session-11 best, which follows with prefetch); then
+# all of K in flight as chunks computed one by one (a chunk's code loop needs every word of it, so one chunk
+# computes only once all of it is in: session 15's reading of why the arithmetic does not overlap the loads).
 DECODE_FIRST = [TileConfig(1, 16, 2048, 32, 1024, 4, 1), TileConfig(1, 8, 2048, 16, 1024, 2, 1),
                 TileConfig(1, 32, 2048, 64, 1024, 8, 1), TileConfig(1, 16, 1024, 32, 256, 4, 2),
                 TileConfig(1, 8, 1024, 16, 256, 2, 2), TileConfig(1, 8, 512, 16, 256, 2, 2),
-                TileConfig(1, 16, 2048, 16, 1024, 4, 1), TileConfig(1, 8, 256, 16, 256, 2, 2)]
+                TileConfig(1, 16, 2048, 16, 1024, 4, 1), TileConfig(1, 8, 256, 16, 256, 2, 2),
+                TileConfig(1, 8, 512, 16, 256, 2, 4, 0, 2, 3), TileConfig(1, 8, 1024, 16, 256, 2, 2, 0, 2, 3),
+                TileConfig(1, 16, 512, 32, 256, 4, 4, 0, 4, 3)]
 
 
 def _error(outs: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -162,7 +166,7 @@ def _fits_bf16(cfg: TileConfig) -> bool:
 
 def decode_configs(quick: bool):
     grid = itertools.product([4, 8, 16, 32], [256, 512, 1024, 2048], [8, 16, 32, 64], [256, 512, 1024], [1, 2, 4, 8],
-                             [1, 2])
+                             [1, 2, 4])
     # 4 to 64 code words a thread per chunk: 128-bit loads, and no register spills
     out = [TileConfig(1, bn, bk, bnd, bkd, w, s) for bn, bk, bnd, bkd, w, s in grid
            if 1024 * w <= bn * bk <= 16384 * w and 1024 * w <= bnd * bkd <= 16384 * w]

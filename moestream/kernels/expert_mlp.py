@@ -104,17 +104,17 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     records = records if indirect else entries  # unread unless indirect
     select = record_bits is not None
     record_bits = record_bits if select else entries  # unread unless select
-    # decode "stages": 2 = the next chunk's loads in flight while one computes
-    (warps_down, stages_down), prefetch = cfg.down, cfg.num_stages > 1
+    # decode "stages": S = S - 1 chunks' loads in flight (up to 3) while one computes
+    (warps_down, stages_down), ahead = cfg.down, min(cfg.num_stages - 1, 3)
     pdl, wait = dependent(x, "down"), dependent(x)  # the down GEMV starts while gate/up runs
     gate_up_gemv_kernel[(n, inter // cfg.bn_gate_up)](
         x, h, entries, addr, records, record_bits, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"],
         o["up_h"], o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group,
-        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, PREFETCH=prefetch, PDL=pdl, INDIRECT=indirect, WAIT=wait,
+        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, AHEAD=ahead, PDL=pdl, INDIRECT=indirect, WAIT=wait,
         SELECT=select, **_tails(hidden, cfg.bk_gate_up), num_warps=cfg.num_warps, num_stages=1, **options(wait))
     down_gemv_kernel[(n, hidden // cfg.bn_down)](
         h, out, entries, addr, records, record_bits, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask,
-        H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, PREFETCH=stages_down > 1,
+        H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, AHEAD=min(stages_down - 1, 3),
         PDL=pdl, INDIRECT=indirect, SELECT=select, **_tails(inter, cfg.bk_down), num_warps=warps_down, num_stages=1,
         **options(pdl))
 

@@ -159,9 +159,10 @@ def test_decode_bf16_activations(precision):
 
 
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
-def test_decode_with_prefetch(precision):
-    """Decode with the next chunk's weights loaded while one computes (num_stages 2): same results, and the
-    load past the last chunk is masked off."""
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_decode_with_prefetch(precision, stages):
+    """Decode with the next 1 to 3 chunks' weights loaded while one computes (num_stages 2 to 4): same results,
+    and the loads past the last chunk are masked off."""
     from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
@@ -172,7 +173,7 @@ def test_decode_with_prefetch(precision):
     entries = torch.arange(4, device=DEVICE)
     addr = torch.tensor([buf[i % 3].data_ptr() for i in range(4)], device=DEVICE)
     out = torch.full((4, 256), float("nan"), dtype=DTYPE, device=DEVICE)
-    expert_mlp.launch_decode(x, out, entries, addr, layout, 2, cfg=TileConfig(1, 16, 64, 32, 64, 2, 2))
+    expert_mlp.launch_decode(x, out, entries, addr, layout, 2, cfg=TileConfig(1, 16, 64, 32, 64, 2, stages))
     want = torch.empty(4, 256, dtype=DTYPE, device=DEVICE)
     for i in range(4):
         reference.expert_group(x, buf, [i % 3], layout, [(0, 1)], entries[i:i + 1], 2, want)
@@ -206,12 +207,12 @@ def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
 
 
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
-@pytest.mark.parametrize("stages", [1, 2, (1, 4, 2)])  # (gate/up stages, down's warps, down's stages)
-@pytest.mark.parametrize("bk", [128, 256])
+@pytest.mark.parametrize("stages", [1, 2, 4, (3, 4, 4)])  # (gate/up stages, down's warps, down's stages)
+@pytest.mark.parametrize("bk", [64, 128, 256])
 def test_decode_chunks_past_k(precision, stages, bk):
     """Decode K chunks need not divide K: the columns past the whole chunks go in power-of-two parts (192 = 128
-    + 64 at BK 128, 128 + 64 at BK 256; 64 at BK 256 for down); the down kernel may take warps and stages of its
-    own."""
+    + 64 at BK 128, 128 + 64 at BK 256; 64 at BK 256 for down); up to 3 chunks load ahead (three chunks of 64);
+    the down kernel may take warps and stages of its own."""
     from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 

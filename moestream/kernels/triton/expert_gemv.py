@@ -165,12 +165,13 @@ def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: t
 def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_gw, off_gh, off_gs,
                         off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr,
+                        BK: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr,
                         WAIT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
-    PREFETCH loads chunk k0 + BK before computing chunk k0 (Triton's pipeliner leaves loads that feed no
-    tl.dot alone), so a warp keeps a chunk of HBM reads in flight while it computes. PDL lets the down
+    AHEAD (0 to 3) chunks load before chunk k0 computes (Triton's pipeliner leaves loads that feed no tl.dot
+    alone): a program's code loop takes every word of its chunk for each code position, so it computes only
+    once the whole chunk is in, and chunks loaded ahead are what arrives meanwhile. PDL lets the down
     kernel start early (programmatic dependent launch), to read its weights while this one runs; WAIT: this one
     was launched as a dependent too. INDIRECT: program i's record address is tile_addr[records[i]] (a layer's
     address table indexed by expert id). SELECT (mixed precision, INDIRECT): only the entries whose record has
@@ -199,15 +200,27 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
         u2w, u2h = _gemv_load(base, off_uw, off_uh, n, MAIN + TAIL1, H, BITS, TAIL2, H)
     acc_g = tl.zeros((BN, W), dtype=tl.float32)
     acc_u = tl.zeros((BN, W), dtype=tl.float32)
-    if PREFETCH:
+    if AHEAD > 0:  # chunks past MAIN load as zeros, reading nothing
         gw, gh = _gemv_load(base, off_gw, off_gh, n, 0, H, BITS, BK, MAIN)
         uw, uh = _gemv_load(base, off_uw, off_uh, n, 0, H, BITS, BK, MAIN)
+        if AHEAD > 1:
+            gw1, gh1 = _gemv_load(base, off_gw, off_gh, n, BK, H, BITS, BK, MAIN)
+            uw1, uh1 = _gemv_load(base, off_uw, off_uh, n, BK, H, BITS, BK, MAIN)
+        if AHEAD > 2:
+            gw2, gh2 = _gemv_load(base, off_gw, off_gh, n, 2 * BK, H, BITS, BK, MAIN)
+            uw2, uh2 = _gemv_load(base, off_uw, off_uh, n, 2 * BK, H, BITS, BK, MAIN)
         for k0 in range(0, MAIN, BK):
-            gw_next, gh_next = _gemv_load(base, off_gw, off_gh, n, k0 + BK, H, BITS, BK, MAIN)
-            uw_next, uh_next = _gemv_load(base, off_uw, off_uh, n, k0 + BK, H, BITS, BK, MAIN)
+            gwn, ghn = _gemv_load(base, off_gw, off_gh, n, k0 + AHEAD * BK, H, BITS, BK, MAIN)
+            uwn, uhn = _gemv_load(base, off_uw, off_uh, n, k0 + AHEAD * BK, H, BITS, BK, MAIN)
             acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
             acc_u = _gemv_acc(acc_u, uw, uh, base, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
-            gw, gh, uw, uh = gw_next, gh_next, uw_next, uh_next
+            if AHEAD == 1:
+                gw, gh, uw, uh = gwn, ghn, uwn, uhn
+            elif AHEAD == 2:
+                gw, gh, uw, uh, gw1, gh1, uw1, uh1 = gw1, gh1, uw1, uh1, gwn, ghn, uwn, uhn
+            else:
+                gw, gh, uw, uh, gw1, gh1, uw1, uh1 = gw1, gh1, uw1, uh1, gw2, gh2, uw2, uh2
+                gw2, gh2, uw2, uh2 = gwn, ghn, uwn, uhn
     else:
         for k0 in range(0, MAIN, BK):
             gw, gh = _gemv_load(base, off_gw, off_gh, n, k0, H, BITS, BK, MAIN)
@@ -229,9 +242,9 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
 @triton.jit
 def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_dw, off_dh, off_ds,
                      off_db, field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
                      INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (PREFETCH, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
+    """Decode: y[entries[i]] = h[i] @ down.T (AHEAD, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
     Launched with PDL it may start before gate_up has finished: the first chunk's weights load before it waits
     for h."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
@@ -247,6 +260,10 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
     acc = tl.zeros((BN, W), dtype=tl.float32)
     hrow = h_ptr + i * I
     dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK, MAIN)
+    if AHEAD > 1:
+        dw1, dh1 = _gemv_load(base, off_dw, off_dh, n, BK, I, BITS, BK, MAIN)
+    if AHEAD > 2:
+        dw2, dh2 = _gemv_load(base, off_dw, off_dh, n, 2 * BK, I, BITS, BK, MAIN)
     if TAIL1 > 0:
         d1w, d1h = _gemv_load(base, off_dw, off_dh, n, MAIN, I, BITS, TAIL1, I)
     if TAIL2 > 0:
@@ -254,10 +271,15 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
     if PDL:
         gdc_wait()  # h is the gate/up kernel's output
     for k0 in range(0, MAIN, BK):
-        if PREFETCH:  # the next chunk in flight while this one computes (past MAIN: masked, nothing read)
-            dw_next, dh_next = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK, MAIN)
+        if AHEAD > 0:  # AHEAD chunks in flight while this one computes (past MAIN: masked, nothing read)
+            dwn, dhn = _gemv_load(base, off_dw, off_dh, n, k0 + AHEAD * BK, I, BITS, BK, MAIN)
             acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
-            dw, dh = dw_next, dh_next
+            if AHEAD == 1:
+                dw, dh = dwn, dhn
+            elif AHEAD == 2:
+                dw, dh, dw1, dh1 = dw1, dh1, dwn, dhn
+            else:
+                dw, dh, dw1, dh1, dw2, dh2 = dw1, dh1, dw2, dh2, dwn, dhn
         else:
             acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
             if k0 + BK < MAIN:
