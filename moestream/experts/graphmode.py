@@ -48,8 +48,11 @@ class GraphMode:
         cached record is read at its own precision; mixed mode notes each one's in `addressed_low_bit`."""
         if not self.device.cuda:
             return None
+        evictions = self.host.evictions if self.host else 0
+        if self._table_state == "valid" and evictions != self._table_evictions:  # a host slot it named was reused
+            self._table_state = None
         if self._table_state is None:
-            self._table_state = "absent"
+            self._table_state, self._table_evictions = "absent", evictions
             g, base, miss, stride = self.geometry, self.cfg.precision, self.miss_precision, self.pool.stride
             table, precisions = [], []
             for rid in range(g.num_records):

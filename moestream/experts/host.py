@@ -20,6 +20,7 @@ class HostTier:
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(capacity))
         self.last_job: list[Future | None] = [None] * capacity
         self.copy_event: list = [None] * capacity  # the last GPU copy out of the slot
+        self.evictions = 0  # records replaced so far: graph-mode address tables built before are stale
 
     def lookup(self, rid: tuple[str, int]) -> int | None:
         slot = self.slot_of.get(rid)
@@ -37,6 +38,7 @@ class HostTier:
         old = self.rid_of[slot]
         if old is not None:
             del self.slot_of[old]
+            self.evictions += 1
         self.rid_of[slot], self.slot_of[rid] = rid, slot
         self.lru.move_to_end(slot)
         return slot

@@ -57,6 +57,7 @@ class StreamingProvider(GraphMode, RingPath):
         self.profiler = Profiler(cfg.profile and self.device.cuda)
         self.routers: dict[int, torch.Tensor] = {}  # layer slot -> router weight, for lookahead
         self._addresses, self._record_bits, self._table_state = None, None, None  # graph mode (graphmode.py)
+        self._table_evictions = 0
         self._addressed: list[torch.Tensor] = []  # expert ids of graph-mode steps not counted yet
 
     def attach(self, routers: dict[int, torch.Tensor]) -> None:

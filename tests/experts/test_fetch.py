@@ -25,3 +25,15 @@ def test_adjacent_host_tier_copies_merge_and_land_where_asked(tiny):
         assert max(spans) > 1, spans  # consecutive experts into consecutive ring slots: one copy
     finally:
         llm.close()
+
+
+def test_host_tier_counts_the_records_it_replaces():
+    """Graph mode keeps addresses of host slots; a slot given to another record must be noticed."""
+    from moestream.experts.host import HostTier
+
+    tier = HostTier(2, 64, pinned=False)
+    tier.allocate(("q4", 0))
+    tier.allocate(("q4", 1))
+    assert tier.evictions == 0
+    tier.allocate(("q4", 2))  # takes record 0's slot
+    assert tier.evictions == 1 and ("q4", 0) not in tier.slot_of
