@@ -36,7 +36,10 @@ def _hf_model(store: str, device: str):
 
 
 @torch.inference_mode()
-def _rates(model, vocab: int, device: str, decode_tokens: int, prefill: tuple[int, ...]) -> list[dict]:
+def _rates(model, vocab: int, device: str, decode_tokens: int, prefill: tuple[int, ...],
+           warm: bool = True) -> list[dict]:
+    """`warm`: run each prefill length once untimed first (a first call at a new length builds cuDNN's attention
+    graph, ~0.5 s; worth skipping only where a call takes many seconds anyway)."""
     rng = random.Random(0)
     out = []
     ids = torch.tensor([[rng.randrange(vocab) for _ in range(16)]], device=device)
@@ -48,7 +51,8 @@ def _rates(model, vocab: int, device: str, decode_tokens: int, prefill: tuple[in
     out.append({"scenario": "decode", "tokens": 16, "rate": decode_tokens / (time.perf_counter() - start)})
     for n in prefill:
         ids = torch.tensor([[rng.randrange(vocab) for _ in range(n)]], device=device)
-        model(ids, logits_to_keep=1)  # untimed: a first call at a new length builds cuDNN's attention graph
+        if warm:
+            model(ids, logits_to_keep=1)
         torch.cuda.synchronize()
         start = time.perf_counter()
         model(ids, logits_to_keep=1)
@@ -72,9 +76,10 @@ def expert_offload_map(model) -> dict[str, str | int]:
     return out
 
 
-def run_peers(stores: dict[str, str], offload_tokens: int = 3) -> list[dict]:
+def run_peers(stores: dict[str, str], offload_tokens: int = 3, on_rows=None) -> list[dict]:
     """Both peers on each store ({suite model name: path}); a peer that cannot run on this machine (its
-    transformers lacks the architecture, or the model does not fit) leaves a row with its reason instead."""
+    transformers lacks the architecture, or the model does not fit) leaves a row with its reason instead.
+    `on_rows(rows so far)` after each peer, so that a call cut short keeps what ran."""
     runs = []
     for name, store in stores.items():
         for engine, run in (("transformers (GPU)", _on_gpu),
@@ -90,6 +95,8 @@ def run_peers(stores: dict[str, str], offload_tokens: int = 3) -> list[dict]:
                 runs.append({"model": name, "engine": engine, "pool": 0.0 if offloaded else 1.0,
                              "host_tier": offloaded, **r})
                 print(runs[-1])
+            if on_rows:
+                on_rows(runs)
     return runs
 
 
@@ -103,4 +110,4 @@ def _offloaded(store: str, offload_tokens: int) -> list[dict]:
 
     model = _hf_model(store, "cpu")
     model = dispatch_model(model, device_map=expert_offload_map(model))
-    return _rates(model, model.config.vocab_size, "cuda", offload_tokens, (512, 4096))
+    return _rates(model, model.config.vocab_size, "cuda", offload_tokens, (512, 4096), warm=False)

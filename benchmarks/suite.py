@@ -173,7 +173,7 @@ def stage_peers(args) -> list[dict]:
     from benchmarks.peers import run_peers
 
     stores = {name: path for name, path in STORES.items() if os.path.isfile(os.path.join(path, "manifest.json"))}
-    return run_peers(stores, offload_tokens=args.offload_tokens)
+    return run_peers(stores, offload_tokens=args.offload_tokens, on_rows=args.save)
 
 
 def stage_report(args) -> None:
