@@ -162,6 +162,13 @@ def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: t
 
 
 @triton.jit
+def _program(entries_ptr, records_ptr, INDIRECT: tl.constexpr):
+    """(program index i, its output block, entries[i], its record's table index: records[i] when INDIRECT, else i)."""
+    i = tl.program_id(0)
+    return i, tl.program_id(1), tl.load(entries_ptr + i), tl.load(records_ptr + i) if INDIRECT else i
+
+
+@triton.jit
 def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_gw, off_gh, off_gs,
                         off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
@@ -181,9 +188,7 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
         dependent_start(True)
     elif PDL:
         gdc_launch_dependents()
-    i, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(entries_ptr + i)
-    record = tl.load(records_ptr + i) if INDIRECT else i
+    i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
     if SELECT:
         if tl.load(bits_ptr + record) != BITS:
             return
@@ -247,9 +252,7 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
     """Decode: y[entries[i]] = h[i] @ down.T (AHEAD, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
     Launched with PDL it may start before gate_up has finished: the first chunk's weights load before it waits
     for h."""
-    i, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(entries_ptr + i)
-    record = tl.load(records_ptr + i) if INDIRECT else i
+    i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
     if SELECT:
         if tl.load(bits_ptr + record) != BITS:
             return
