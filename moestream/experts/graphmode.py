@@ -110,8 +110,9 @@ class GraphMode:
         rid = ids + torch.arange(g.num_layers)[None, :, None] * g.num_experts
         cached = {p: torch.zeros(g.num_records, dtype=torch.bool) for p in {base, miss}}
         for r, slot in self.pool.slot_of.items():
-            if self.pool.precision_of[slot] in cached:  # (None for a slot whose fill is not fetched yet)
-                cached[self.pool.precision_of[slot]][r] = True
+            precision = self.pool.precision_of[slot]  # None for a slot whose fill is not fetched yet
+            if precision in cached:
+                cached[precision][r] = True
         # as the host path counts: a hit at its record's precision; a miss at the base one, read at the miss one
         hits = {p: (distinct & c[rid]).sum((0, 2)).tolist() for p, c in cached.items()}
         lookups = distinct.sum((0, 2)).tolist()

@@ -10,7 +10,6 @@ reads a slot before its copy.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -61,14 +60,14 @@ class ExpertPool:
         self.lru.move_to_end(slot)
         return slot
 
-    def spare(self, layer: int, share: int, layer_of: Callable[[int], int]) -> list[int]:
+    def spare(self, layer: int, share: int, experts: int) -> list[int]:
         """Slots a fill for `layer` may take, least recently used first: free ones, and unpinned ones of other
-        layers holding more than `share` records (as a decode leaves them), down to that share."""
-        held = Counter(layer_of(rid) for rid in self.slot_of)
+        layers (record id // `experts`) holding more than `share` records (as a decode leaves them), down to it."""
+        held = Counter(rid // experts for rid in self.slot_of)
         out = []
         for slot in self.lru:
             rid = self.rid_of[slot]
-            owner = None if rid is None else layer_of(rid)
+            owner = None if rid is None else rid // experts
             if owner is None or (owner != layer and held[owner] > share and slot not in self.pinned):
                 out.append(slot)
                 if owner is not None:

@@ -38,7 +38,7 @@ class RingPath:
             if slot is not None:
                 idle.append(slot)
         room = share - len(idle) - sum(s is not None for s in slots)
-        spare = self.pool.spare(layer, share, lambda rid: rid // self.geometry.num_experts) if room > 0 else []
+        spare = self.pool.spare(layer, share, self.geometry.num_experts) if room > 0 else []
         fills, ring_jobs = [], []  # (expert index, rid, slot)
         for j, rid in enumerate(rids):
             if slots[j] is not None:
