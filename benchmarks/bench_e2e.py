@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.common import out_dir, write
 from benchmarks.trace_summary import summarize
+from moestream.config import ExpertConfig
 from moestream.engine.llm import LLM
 from moestream.experts.store import open_store
 from moestream.sampling import SamplingParams
@@ -81,8 +82,8 @@ def _traced(path: str | None):
 
 
 def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0,
-                 warm: bool = False, trace: str | None = None, ring_group: int = 8,
-                 ring_lookahead: bool = False) -> list[dict]:
+                 warm: bool = False, trace: str | None = None, ring_group: int = ExpertConfig.ring_group,
+                 ring_lookahead: bool = ExpertConfig.ring_lookahead) -> list[dict]:
     """With `warm`, each prompt runs once first so the host tier holds what the measured run misses; with
     `trace` (a folder), the measured run's timeline is saved there."""
     s = open_store(store)
@@ -134,9 +135,10 @@ def main() -> None:
     p.add_argument("--decode-modes", default="graph,addressed,handshake")
     p.add_argument("--profile", action="store_true", help="break graphed and eager decode steps down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
-    p.add_argument("--ring-groups", default="8", help="prefill: experts per ring batch, one run each (e.g. 8,16)")
-    p.add_argument("--ring-lookahead", default="off", help="prefill: the next layer's ring fetched early: off, on, "
-                   "or off,on (one run each)")
+    p.add_argument("--ring-groups", default=str(ExpertConfig.ring_group),
+                   help="prefill: experts per ring batch, one run each (e.g. 8,16)")
+    p.add_argument("--ring-lookahead", default="on" if ExpertConfig.ring_lookahead else "off",
+                   help="prefill: the next layer's ring fetched early: off, on, or off,on (one run each)")
     args = p.parse_args()
     data, table = {}, []
     if args.decode:

@@ -23,6 +23,7 @@ import time
 import torch
 
 from benchmarks.common import limits, machine, out_dir
+from moestream.config import ExpertConfig
 from moestream.experts.format import RecordLayout, precision_name
 from moestream.experts.store import open_store
 from moestream.sampling import SamplingParams
@@ -93,9 +94,11 @@ SCENARIOS = (("decode", 16, 64), ("prefill", 512, 1), ("prefill", 4096, 1))
 LOW_BIT = (("moestream q4", {}), ("moestream q3", dict(experts=3)), ("moestream q2", dict(experts=2)),
            ("moestream q4, misses q2", dict(miss_experts=2)))  # q4 first: the same scenarios to compare with
 LOW_BIT_SCENARIOS = (("decode", 16, 32), ("prefill", 4096, 1))
-# the prefill ring's cross-layer lookahead (off by default), where it matters: 30B, pool 25%, host tier
-RING = (("moestream, ring lookahead", dict(ring_lookahead=True)),
-        ("moestream, ring lookahead, group 16", dict(ring_lookahead=True, ring_group=16)))
+# the prefill ring's defaults (cross-layer lookahead, batches of 16) against the earlier ones, where they matter:
+# 30B, pool 25%, host tier (v7, prefill 4096: 90% of bound; no lookahead, group 8: 55%)
+RING = (("moestream, ring group 8", dict(ring_group=8)),
+        ("moestream, no ring lookahead, group 8", dict(ring_lookahead=False, ring_group=8)))
+RING_DEFAULTS = ExpertConfig()
 RING_SCENARIOS = (("prefill", 512, 1), ("prefill", 4096, 1))
 _FIRST_PROMPT: dict = {}  # paid once a process, not once a mode: a disk-only 512-token warm-up takes ~9 s
 
@@ -143,11 +146,11 @@ def stage_moestream(args) -> list[dict]:
         for engine, opts, frac, host in modes:
             layout = RecordLayout.build(precision_name(opts.get("experts", 4)), g.hidden_size, g.intermediate_size)
             total_gb = g.num_records * layout.stride / 1e9
-            opts = {"ring_lookahead": args.ring_lookahead} | opts
             llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
                       host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host, **opts)
             base = {"model": name, "engine": engine, "pool": frac, "host_tier": host,
-                    "ring_lookahead": opts["ring_lookahead"], "ring_group": opts.get("ring_group", 8)}
+                    "ring_lookahead": opts.get("ring_lookahead", RING_DEFAULTS.ring_lookahead),
+                    "ring_group": opts.get("ring_group", RING_DEFAULTS.ring_group)}
             runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream"
                              else RING_SCENARIOS if "ring" in engine else LOW_BIT_SCENARIOS)
             mode = f"{name}/{engine}, pool {frac:.0%}, {'host tier' if host else 'disk only'}"
@@ -189,7 +192,6 @@ def main() -> None:
     p.add_argument("--offload-tokens", type=int, default=3)
     p.add_argument("--modes", choices=["all", "q4", "low-bit"], default="all",
                    help="moestream stage: which engine modes (deriving the low-bit stores takes minutes, once)")
-    p.add_argument("--ring-lookahead", action="store_true", help="moestream stage: fetch the next layer's ring early")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--state", help="a suite.json from an earlier call to continue (each call's $OUT starts empty)")

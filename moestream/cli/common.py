@@ -16,8 +16,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--miss-experts", type=int, choices=[3, 2],
                    help="with --experts 4: fetch demand and ring misses at 3 or 2 bits (pool fills stay 4-bit)")
     p.add_argument("--ring", type=int, default=64, help="prefill ring slots (default 64)")
-    p.add_argument("--group", type=int, default=8, help="experts per ring batch (default 8)")
+    p.add_argument("--group", type=int, default=16, help="experts per ring batch (default 16)")
     p.add_argument("--no-lookahead", action="store_true", help="do not prefetch the next layer's experts")
+    p.add_argument("--no-ring-lookahead", action="store_true",
+                   help="prefill: do not start the next layer's ring copies before this layer is done")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +49,7 @@ def open_llm(args: argparse.Namespace, **options):
 
     return LLM(args.store, device=args.device, dtype=args.dtype, pool_gb=args.pool_gb, host_gb=args.host_gb,
                experts=args.experts, miss_experts=args.miss_experts, ring_slots=args.ring, ring_group=args.group,
-               lookahead=not args.no_lookahead, **options)
+               lookahead=not args.no_lookahead, ring_lookahead=not args.no_ring_lookahead, **options)
 
 
 def report(out, seconds: float | None = None) -> None:

@@ -45,6 +45,8 @@ class LLM:
             raise MoestreamError("--miss-experts takes 3 or 2, with --experts 4")
         expert_cfg = ExpertConfig(precision=precision, pool_gb=pool_gb, host_gb=host_gb, miss_precision=miss,
                                   **expert_options)
+        if expert_cfg.ring_slots < 1 or expert_cfg.ring_group < 1:
+            raise MoestreamError("need --ring >= 1 and --group >= 1")
         if prefill_chunk < 1 or prefix_cache_mb < 0:
             raise MoestreamError("need prefill_chunk >= 1 and prefix_cache_mb >= 0")
         self.engine_config = EngineConfig(device=device, dtype=dtype, experts=expert_cfg, prefill_chunk=prefill_chunk)

@@ -61,7 +61,8 @@ class RingPath:
         fetched = {j for j, _, _ in fills + ring_jobs}
         present = [j for j, w in enumerate(waits) if j not in fetched and (w is None or w.done())]
         rest = sorted(set(range(len(slots))) - set(present))
-        group, ring = self.cfg.ring_group, self.pool.ring_slots
+        ring = self.pool.ring_slots
+        group = min(self.cfg.ring_group, ring)  # a batch's copies go out together: at most one per ring slot
         batches = ([present] if present else []) + [rest[i: i + group] for i in range(0, len(rest), group)]
         batch_of_job = {j: b for b, idx in enumerate(batches) for j in idx}
         # Each batch's fetches go out together (one copy event a batch: the seed's fetched[b]). A ring job
@@ -122,7 +123,7 @@ class RingPath:
         if items:
             # a fetch call's copies share one ready event: one call a ring batch, so the next layer's first batch
             # waits for its own copies, not for all RING of them
-            group = self.cfg.ring_group
+            group = min(self.cfg.ring_group, self.pool.ring_slots)
             futures = [f for i in range(0, len(items), group)
                        for f in self._fetch(layer, items[i: i + group], self.miss_precision, ring=True, early=True)]
             self._speculated = (layer, {r: (rid, f) for r, ((rid, _), f) in enumerate(zip(items, futures))})

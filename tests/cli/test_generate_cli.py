@@ -38,3 +38,8 @@ def test_streams_text_and_reports_on_stderr(tiny):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "tok/s" in proc.stderr and "hits" in proc.stderr
+
+
+def test_a_ring_of_no_slots_is_refused_in_one_line(tiny):
+    proc = generate(tiny.store("qwen3_moe"), "--ring", "0")
+    assert proc.returncode == 1 and proc.stderr.strip() == "error: need --ring >= 1 and --group >= 1", proc.stderr

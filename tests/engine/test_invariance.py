@@ -20,7 +20,7 @@ SETTINGS = [
     dict(pool_gb=None),  # the whole model
     dict(pool_gb="min"),  # exactly one decode step
     dict(pool_gb="min", ring_slots=8, ring_group=2),
-    dict(pool_gb="min", ring_slots=8, ring_group=2, ring_lookahead=True),  # the next layer's ring fetched early
+    dict(pool_gb="min", ring_slots=8, ring_group=2, ring_lookahead=False),  # no early fetches for the next layer
     dict(pool_gb="half", lookahead=False),
     dict(pool_gb="half", host_gb=0.01),
     dict(pool_gb="min", host_gb=0.0003, ring_slots=4, ring_group=1),  # host tier smaller than the model

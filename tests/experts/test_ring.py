@@ -51,8 +51,8 @@ def test_a_wrong_guess_costs_a_copy_not_a_result(tiny):
         llm.close()
 
 
-def test_off_by_default(tiny):
-    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=2.0001 * STRIDE / 1e9)
+def test_off_when_asked(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=2.0001 * STRIDE / 1e9, ring_lookahead=False)
     try:
         llm.generate([prompt_of(llm, 48)], SamplingParams(max_tokens=1))  # a prefill and no decode step
         assert llm.stats()["totals"]["q4"]["prefetch_issued"] == 0
@@ -77,3 +77,17 @@ def test_early_fetches_go_one_ring_batch_per_call(tiny, monkeypatch):
         assert calls and max(calls) == 2
     finally:
         llm.close()
+
+
+def test_a_ring_batch_larger_than_the_ring_still_computes_the_same(tiny):
+    """A batch's copies go out together, so a batch cannot hold more experts than the ring has slots: the
+    default batch of 16 with `--ring 4` runs in batches of 4."""
+    store = tiny.store("qwen3_moe")
+    whole = LLM(store, device="cpu")
+    small = LLM(store, device="cpu", pool_gb=2.0001 * STRIDE / 1e9, ring_slots=4)
+    try:
+        ids, params = prompt_of(small, 48), SamplingParams(max_tokens=4)
+        assert small.generate([ids], params)[0].token_ids == whole.generate([ids], params)[0].token_ids
+    finally:
+        whole.close()
+        small.close()
