@@ -2,7 +2,7 @@
 (FLOPs / dense bf16 matmul rate), sweeping tile configs. `--tune` writes the best configs to
 moestream/kernels/configs/expert_mlp.json.
 
-python -m benchmarks.bench_kernels [--tune] [--quick]
+python -m benchmarks.bench_kernels [--tune] [--quick] [--phases decode,prefill] [--precisions q4,q3] [--host]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.common import bf16_matmul_tflops, cuda_time, hbm_copy_gbs, out_dir, write
+from benchmarks.common import bf16_matmul_tflops, cuda_time, h2d_gbs, hbm_copy_gbs, out_dir, write
 from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp
 from moestream.kernels.expert_mlp import CONFIG_PATH, TileConfig
@@ -25,15 +25,16 @@ from moestream.kernels.expert_mlp import CONFIG_PATH, TileConfig
 QWEN3_30B = dict(hidden=2048, inter=768, experts=128, top_k=8)
 
 
-def random_pool(layout: RecordLayout, records: int) -> torch.Tensor:
-    """Records of random codes with sane scales (weights about +-0.03), on the GPU."""
+def random_pool(layout: RecordLayout, records: int, host: bool = False) -> torch.Tensor:
+    """Records of random codes with sane scales (weights about +-0.03), on the GPU, or with `host` in pinned host
+    memory, which the kernels read in place over PCIe as graphed decode reads the host tier."""
     buf = torch.randint(-2**31, 2**31 - 1, (records, layout.stride // 4), dtype=torch.int32, device="cuda")
     buf = buf.view(torch.uint8).view(records, layout.stride)
     for f in layout.fields:
         if f.dtype == "bfloat16":
             view = buf[:, f.offset: f.offset + f.nbytes].view(torch.bfloat16)
             view.fill_(0.004 if f.name.endswith("_s") else -0.03)
-    return buf
+    return buf.cpu().pin_memory() if host else buf
 
 
 def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, split: bool = False) -> dict:
@@ -198,17 +199,24 @@ def main() -> None:
     p.add_argument("--tune", action="store_true")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--phases", default="decode,prefill")
+    p.add_argument("--precisions", default="q4,bf16,q3,q2", help="a sweep of all four can outlast a 300 s call")
+    p.add_argument("--host", action="store_true", help="decode only, records read in place from pinned host memory "
+                   "(the host tier's graphed decode): bytes against pinned H2D; never tunes")
     args = p.parse_args()
+    if args.host:
+        args.phases, args.tune = "decode", False
     g = QWEN3_30B
-    hbm, mm = hbm_copy_gbs(), bf16_matmul_tflops()
-    print(f"limits: HBM copy {hbm:.0f} GB/s, dense bf16 matmul {mm:.0f} TFLOP/s")
-    results = {"limits": {"hbm_copy_gbs": hbm, "bf16_matmul_tflops": mm}, "decode": [], "prefill": []}
+    hbm, mm = h2d_gbs() if args.host else hbm_copy_gbs(), bf16_matmul_tflops()
+    limit = "pinned H2D" if args.host else "HBM copy"
+    print(f"limits: {limit} {hbm:.0f} GB/s, dense bf16 matmul {mm:.0f} TFLOP/s")
+    results = {"limits": {"h2d_gbs" if args.host else "hbm_copy_gbs": hbm, "bf16_matmul_tflops": mm},
+               "decode": [], "prefill": []}
     table, best = [], {}
     # Q3/Q2 decode gets its own sweep (it had run Q4's tiles: 1 row 28.5 / 18.2 us against Q4's 14.0); their
     # prefill tries Q4's best tiles below
-    for precision in ("q4", "bf16", "q3", "q2"):
+    for precision in args.precisions.split(","):
         layout = RecordLayout.build(precision, g["hidden"], g["inter"])
-        pool = random_pool(layout, g["experts"] if precision == "bf16" else 4 * g["experts"])
+        pool = random_pool(layout, g["experts"] if precision == "bf16" else 4 * g["experts"], host=args.host)
         for phase, configs in (("decode", decode_configs(args.quick)), ("prefill", prefill_configs(args.quick))):
             if phase not in args.phases.split(",") or (phase == "prefill" and layout.bits in (2, 3)):
                 continue
@@ -235,6 +243,8 @@ def main() -> None:
                     print(f"skip {phase} {cfg}: wrong results (relative error {err:.3g} against the tuned tiles)")
                     continue
                 scored.append((score, cfg, r))
+                print(f"{precision} {phase} {cfg}: " + (", ".join(f"{x['rows']} rows {x['us']:.1f} us" for x in r)
+                      if phase == "decode" else f"resident {r[0]['ms']:.3f} ms, ring batch {r[1]['ms']:.3f} ms"))
                 results[phase].append({"precision": precision, "config": dataclasses.asdict(cfg), "runs": r})
             composed = composed_decode(scored) if phase == "decode" else None
             if composed is not None and composed not in [c for _, c, _ in scored]:
@@ -253,7 +263,7 @@ def main() -> None:
             for x in r:
                 if phase == "decode":
                     table.append([precision, phase, x["rows"], f"{x['us']:.1f} us", f"{x['gbs']:.0f} GB/s",
-                                  f"{x['gbs'] / hbm:.0%} of HBM copy"])
+                                  f"{x['gbs'] / hbm:.0%} of {limit}"])
                 else:
                     table.append([precision, phase, f"{x['rows']} x {x['experts']} experts", f"{x['ms']:.2f} ms",
                                   f"{x['tflops']:.0f} TFLOP/s", f"{x['tflops'] / mm:.0%} of dense bf16"])
@@ -270,7 +280,8 @@ def main() -> None:
         table += [[precision, "prefill", f"{x['rows']} x {x['experts']} experts", f"{x['ms']:.2f} ms",
                    f"{x['tflops']:.0f} TFLOP/s", f"{x['tflops'] / mm:.0%} of dense bf16"] for x in r]
     results["best"] = best
-    write(out_dir("kernels"), "kernels", results, table, ["experts", "phase", "rows", "time", "rate", "vs limit"])
+    name = "kernels-host" if args.host else "kernels"
+    write(out_dir(name), name, results, table, ["experts", "phase", "rows", "time", "rate", "vs limit"])
     if args.tune:
         os.makedirs(os.path.dirname(CONFIG_PATH), exist_ok=True)
         merged = json.load(open(CONFIG_PATH)) if os.path.isfile(CONFIG_PATH) else {}

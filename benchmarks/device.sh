@@ -29,11 +29,14 @@ for stage in "$@"; do
                echo $! > /tmp/stores.pid ;;
     invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
-    kernel-tests) timeout 240 python -m pytest -q -n 4 -m gpu ${KERNEL_TESTS:-tests/kernels} 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
+    kernel-tests) timeout 240 python -m pytest -q -n 4 -m gpu ${KERNEL_TESTS:-tests/kernels tests/quant} 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
     kernels) timeout 330 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
              cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
-    kernels-decode) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases decode 2>&1 | tee "$OUT/kernels.log" | tail -8
+    kernels-decode) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases decode \
+                    --precisions "${KERNEL_PRECISIONS:-q4,q3,q2}" 2>&1 | tee "$OUT/kernels.log" | grep -v " rows .* us, " | tail -8
                     cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
+    kernels-host) timeout 240 python -m benchmarks.bench_kernels --quick --host --precisions q4,q3,q2 2>&1 \
+                  | tee "$OUT/kernels-host.log" | tail -14 ;;
     decode) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --decode --profile 2>&1 | tee "$OUT/decode.log" | tail -30 ;;
     e2e) wait_stores; timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     overlap) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --prefill --fracs 0.25 --lengths 4096 \

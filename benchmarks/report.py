@@ -103,7 +103,7 @@ def write_report(path: str) -> None:
         commits = {}
         for r in runs:
             if _model(r) == model and r.get("commit"):
-                commits.setdefault(r["commit"], set()).add(r["engine"])
+                commits.setdefault(r["commit"][:7], set()).add(r["engine"])
         if len(commits) > 1:  # rows carried over from an earlier run of the suite
             out += ["Rows by commit: " + "; ".join(f"{c}: {', '.join(sorted(e))}" for c, e in commits.items()), ""]
     out += ["## Targets (issue 7, 30B geometry)", "", *targets(runs), ""]
