@@ -18,6 +18,7 @@ from unittest import mock
 import torch
 
 from benchmarks.common import bf16_matmul_tflops, cuda_time, h2d_gbs, hbm_copy_gbs, out_dir, write
+from moestream.config import ExpertConfig
 from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp
 from moestream.kernels.expert_mlp import CONFIG_PATH, TileConfig
@@ -82,7 +83,8 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, spl
     return result
 
 
-def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
+def prefill_case(layout, pool, rows, top_k, cfg: TileConfig, tail_bm: int = 0) -> dict:
+    """With `tail_bm`, an expert's last tile of at most `tail_bm` entries goes in a second launch of that height."""
     experts, gen = pool.shape[0], torch.Generator("cuda").manual_seed(0)  # the same problem for every config
     ids = torch.rand(rows, experts, device="cuda", generator=gen).argsort(dim=1)[:, :top_k]
     flat = ids.reshape(-1)
@@ -93,36 +95,41 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
         offsets.append(offsets[-1] + c)
     x = torch.randn(rows, layout.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     out = torch.empty(rows * top_k, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
-    addr, start, count = [], [], []
+    tiles = {}  # tile height: [addr, start, count]
     for e in range(experts):
         for m0 in range(offsets[e], offsets[e + 1], cfg.bm):
-            addr.append(pool[e].data_ptr())
-            start.append(m0)
-            count.append(min(cfg.bm, offsets[e + 1] - m0))
-    meta = torch.tensor([addr, start, count], device="cuda")
+            n = min(cfg.bm, offsets[e + 1] - m0)
+            table = tiles.setdefault(tail_bm if n <= tail_bm else cfg.bm, [[], [], []])
+            for column, v in zip(table, (pool[e].data_ptr(), m0, n)):
+                column.append(v)
+    launches = [(dataclasses.replace(cfg, bm=bm), torch.tensor(t, device="cuda")) for bm, t in tiles.items()]
     h = torch.empty(rows * top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
-    seconds = cuda_time(lambda: expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k,
-                                                          h=h, cfg=cfg), iters=20)
+
+    def run():
+        for c, meta in launches:
+            expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k, h=h, cfg=c)
+    seconds = cuda_time(run, iters=20)
     flops = 2 * rows * top_k * 3 * layout.hidden_size * layout.intermediate_size
     return {"rows": rows, "experts": experts, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
             "out": out.clone()}
 
 
-# A 4096-token prefill runs each layer either resident (one launch over all 128 experts) or streamed (16 ring
-# batches of 8 experts, 256 rows each). Tiles tuned on the first alone (dd437ab) launched too few programs for the
+# A 4096-token prefill runs each layer either resident (one launch over all 128 experts) or streamed (ring batches
+# of 16 experts, 256 rows each). Tiles tuned on the first alone (dd437ab) launched too few programs for the
 # second: the suite's streamed prefill fell from 69% to 47% of its bound.
-RING_BATCH, RING_BATCHES = 8, 16
+RING_BATCH = ExpertConfig.ring_group
+RING_BATCHES = QWEN3_30B["experts"] // RING_BATCH
 
 
-def prefill_cases(layout, pool, cfg: TileConfig) -> list[dict]:
-    """A resident layer (4096 rows over 128 experts) and one ring batch (every row of 256 on each of 8 experts)."""
+def prefill_cases(layout, pool, cfg: TileConfig, tail_bm: int = 0) -> list[dict]:
+    """A resident layer (4096 rows over 128 experts) and one ring batch (every row of 256 on each of its experts)."""
     g = QWEN3_30B
-    return [prefill_case(layout, pool[: g["experts"]], 4096, g["top_k"], cfg),
-            prefill_case(layout, pool[:RING_BATCH], 256, RING_BATCH, cfg)]
+    return [prefill_case(layout, pool[: g["experts"]], 4096, g["top_k"], cfg, tail_bm),
+            prefill_case(layout, pool[:RING_BATCH], 256, RING_BATCH, cfg, tail_bm)]
 
 
 def prefill_score(runs: list[dict]) -> float:
-    """Layers per second when a layer's time is its resident launch plus its 16 streamed batches."""
+    """Layers per second when a layer's time is its resident launch plus its streamed batches."""
     return 1e3 / (runs[0]["ms"] + RING_BATCHES * runs[1]["ms"])
 
 
@@ -180,7 +187,15 @@ def decode_configs(quick: bool):
 # of shared memory); then the runners-up of the session-11 sweep; then swapped tiles (weights as the MMA's
 # register operand; compiled here, 256 entries x 64 weight rows issue ~0.6x the instructions per MAC of the best
 # unswapped tile, at ~245 registers: one CTA an SM).
-PREFILL_FIRST = [TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
+# Ahead of them, each K step's scales and biases loaded a step ahead (affine_ahead): loaded in place, each step
+# waited an L2 round trip for them twice (the pipeliner keeps such small loads out of its async copies). Offline
+# sm_90, gate/up and down: per-code unpack with 2 stages keeps 128 registers and 86 / 90 KB of shared memory (two
+# CTAs an SM), 295 / 244 instructions a warp a step against the committed tiles' 369 / 302; per-word unpack
+# ahead needs 199 registers (one CTA an SM). The fourth is the first without ahead, for the A/B.
+PREFILL_FIRST = [TileConfig(256, 32, 64, 64, 64, 8, 2, 0, affine_ahead=1),
+                 TileConfig(256, 32, 64, 64, 64, 8, 3, 1, affine_ahead=1),
+                 TileConfig(256, 32, 64, 64, 64, 8, 3, 0, affine_ahead=1), TileConfig(256, 32, 64, 64, 64, 8, 2, 0),
+                 TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
                  TileConfig(256, 32, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 16, 3, 1),
                  TileConfig(128, 64, 64, 128, 128, 8, 4, 1), TileConfig(128, 64, 64, 64, 128, 4, 3, 1),
                  *(TileConfig(bm, bn, 64, bnd, 64, 8, s, 1, swap=1) for bm, bn, bnd, s in
@@ -257,6 +272,16 @@ def main() -> None:
             scored.sort(key=lambda t: -t[0])
             score, cfg, r = scored[0]
             best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
+            if phase == "prefill" and cfg.bm >= 128:
+                # ~256 entries an expert leave half the experts a last tile of ~15 at full height: BM 256 computes
+                # 67% useful rows; those tails at BM / 4 (a launch of their own) bring it to ~89%
+                tails = prefill_cases(layout, pool, cfg, tail_bm=cfg.bm // 4)
+                err = _error([x.pop("out").float() for x in tails], first)
+                print(f"{precision} prefill with tails at bm {cfg.bm // 4}: resident {tails[0]['ms']:.3f} ms "
+                      f"(without {r[0]['ms']:.3f}), ring batch {tails[1]['ms']:.3f} ({r[1]['ms']:.3f}), "
+                      f"error {err:.2g}")
+                results["prefill"].append({"precision": precision, "config": dataclasses.asdict(cfg), "runs": tails,
+                                           "tail_bm": cfg.bm // 4})
             for x in r if phase == "decode" else ():  # where the best tiles' time goes: each kernel alone
                 print(f"{precision} decode, {x['rows']} rows: {x['us']:.1f} us a step; kernels alone: "
                       + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in x.items() if k.endswith("_us")))

@@ -206,6 +206,35 @@ def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
+@pytest.mark.parametrize("precision,unpack,swap,bk", [("q4", 0, 0, 64), ("q4", 1, 0, 64), ("q4", 1, 1, 128),
+                                                      ("q3", 0, 0, 128), ("q3", 1, 1, 64), ("q2", 1, 0, 64),
+                                                      ("bf16", 0, 0, 64)])
+def test_prefill_scales_loaded_a_step_ahead_change_no_bit(precision, unpack, swap, bk):
+    """Each K step's group scales and biases loaded a step ahead (affine_ahead): the same bits as loaded in place,
+    over several K steps (192 = 3 x 64; down's 128 = 2 x 64 or 1 x 128)."""
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(5)
+    layout = RecordLayout.build(precision, 192, 128)
+    buf = make_buffer(layout, 2, gen)
+    rows, top_k = 40, 2
+    x = torch.randn(rows, 192, generator=gen).to(DEVICE, DTYPE)
+    entries = torch.arange(rows * top_k, device=DEVICE)
+    order = torch.cat([entries[0::2], entries[1::2]])
+    meta = torch.tensor([[buf[0].data_ptr(), buf[1].data_ptr()], [0, rows], [rows, rows]], device=DEVICE)
+    outs = []
+    for ahead in (0, 1):
+        out = torch.full((rows * top_k, 192), float("nan"), dtype=DTYPE, device=DEVICE)
+        cfg = TileConfig(64, 64, 64, 64, bk, 4, 2, unpack, swap=swap, affine_ahead=ahead)
+        expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k, cfg=cfg)
+        outs.append(out)
+    want = torch.empty_like(outs[0])
+    reference.expert_group(x, buf, [0, 1], layout, [(0, rows), (rows, 2 * rows)], order, top_k, want)
+    assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1])
+    assert (outs[1].float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
 @pytest.mark.parametrize("stages", [1, 2, 4, (3, 4, 4)])  # (gate/up stages, down's warps, down's stages)
 @pytest.mark.parametrize("bk", [64, 128, 256])

@@ -35,9 +35,24 @@ def _as_float(codes):
 
 
 @triton.jit
-def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.constexpr, BITS: tl.constexpr,
+def tile_affine(base, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                BK: tl.constexpr):
+    """The scales and biases of a weight tile's groups ([BN, max(BK / GROUP, 1)]; unread for bf16)."""
+    NG: tl.constexpr = BK // GROUP if BK > GROUP else 1
+    g = rows[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, NG)[None, :]
+    if BITS == 16:  # never used: bf16 tiles have no groups
+        s = g.to(tl.float32)
+        b = s
+    else:
+        s, b = group_affine(base, off_s, off_b, g, BITS)
+    return s, b
+
+
+@triton.jit
+def _weight_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.constexpr, BITS: tl.constexpr,
                  GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
-    """A [BN, BK] tile (rows `rows`, columns k0..k0+BK) of an [N, K] weight, dequantized to fp32.
+    """A [BN, BK] tile (rows `rows`, columns k0..k0+BK) of an [N, K] weight, dequantized to fp32 with its
+    groups' `scale` and `bias` (`tile_affine`).
 
     UNPACK 0 loads each code's word (the repeats hit L1); UNPACK 1 loads each word once and splits it
     with a reshape. Which is faster is measured per GPU (benchmarks/bench_kernels.py)."""
@@ -45,6 +60,7 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.co
     if BITS == 16:
         ptr = (base + off_w).to(tl.pointer_type(tl.bfloat16))
         return tl.load(ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
+    NG: tl.constexpr = BK // GROUP if BK > GROUP else 1
     WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
     PER: tl.constexpr = 32 // WBITS  # `code_mask` = (1 << WBITS) - 1
     wptr = (base + off_w).to(tl.pointer_type(tl.int32))
@@ -55,8 +71,8 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.co
             hptr = (base + off_h).to(tl.pointer_type(tl.int32))
             high = tl.load(hptr + rows[:, None] * (K // 32) + cols[None, :] // 32)
             codes = codes | (((high >> (cols[None, :] % 32)) & 1) << 2)
-        s, b = group_affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + cols[None, :] // GROUP, BITS)
-        return _as_float(codes) * s + b
+        w = tl.reshape(_as_float(codes), (BN, NG, BK // NG)) * scale[:, :, None] + bias[:, :, None]
+        return tl.reshape(w, (BN, BK))
     wcols = k0 // PER + tl.arange(0, BK // PER)
     words = tl.load(wptr + rows[:, None] * (K // PER) + wcols[None, :])  # [BN, BK / PER]
     fields = tl.arange(0, PER)
@@ -65,10 +81,7 @@ def _weight_tile(base, off_w, off_h, off_s, off_b, rows, k0, code_mask, K: tl.co
         hptr = (base + off_h).to(tl.pointer_type(tl.int16))
         high = tl.load(hptr + rows[:, None] * (K // 16) + wcols[None, :]).to(tl.int32)
         codes = codes | (((high[:, :, None] >> fields[None, None, :]) & 1) << 2)
-    codes = _as_float(codes)
-    gcols = k0 // GROUP + tl.arange(0, BK // GROUP)
-    scale, bias = group_affine(base, off_s, off_b, rows[:, None] * (K // GROUP) + gcols[None, :], BITS)
-    w = tl.reshape(codes, (BN, BK // GROUP, GROUP)) * scale[:, :, None] + bias[:, :, None]
+    w = tl.reshape(_as_float(codes), (BN, NG, BK // NG)) * scale[:, :, None] + bias[:, :, None]
     return tl.reshape(w, (BN, BK))
 
 
@@ -116,8 +129,11 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
                    off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, code_mask,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr,
-                   SWAP: tl.constexpr):
-    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
+                   SWAP: tl.constexpr, AFFINE_AHEAD: tl.constexpr):
+    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile.
+
+    The pipeliner leaves the groups' scale and bias loads out of its async copies (too small), so each step
+    waits an L2 round trip for them, twice; AFFINE_AHEAD loads them a step ahead, in registers carried over."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     row = entry // TOP_K
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -126,14 +142,27 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
     else:
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
+    if AFFINE_AHEAD:
+        gs, gb = tile_affine(base, off_gs, off_gb, n, 0, H, BITS, GROUP, BK)
+        us, ub = tile_affine(base, off_us, off_ub, n, 0, H, BITS, GROUP, BK)
     for k0 in range(0, H, BK):
+        if AFFINE_AHEAD:
+            ahead = (k0 + BK) % H  # the next step's groups (the last step reloads the first: harmless)
+            next_gs, next_gb = tile_affine(base, off_gs, off_gb, n, ahead, H, BITS, GROUP, BK)
+            next_us, next_ub = tile_affine(base, off_us, off_ub, n, ahead, H, BITS, GROUP, BK)
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
         x = x.to(x_ptr.dtype.element_ty)
-        g = _weight_tile(base, off_gw, off_gh, off_gs, off_gb, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
+        if not AFFINE_AHEAD:
+            gs, gb = tile_affine(base, off_gs, off_gb, n, k0, H, BITS, GROUP, BK)
+        g = _weight_tile(base, off_gw, off_gh, gs, gb, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
         acc_g = _product(acc_g, x, g, SWAP)
-        u = _weight_tile(base, off_uw, off_uh, off_us, off_ub, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
+        if not AFFINE_AHEAD:
+            us, ub = tile_affine(base, off_us, off_ub, n, k0, H, BITS, GROUP, BK)
+        u = _weight_tile(base, off_uw, off_uh, us, ub, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
         acc_u = _product(acc_u, x, u, SWAP)
+        if AFFINE_AHEAD:
+            gs, gb, us, ub = next_gs, next_gb, next_us, next_ub
     _store_rows(h_ptr, acc_g / (1.0 + tl.exp(-acc_g)) * acc_u, pos, n, I, valid, SWAP)
 
 
@@ -141,7 +170,8 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                 off_dw, off_dh, off_ds, off_db, code_mask,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
+                AFFINE_AHEAD: tl.constexpr):
     """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -149,9 +179,17 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if AFFINE_AHEAD:
+        ds, db = tile_affine(base, off_ds, off_db, n, 0, I, BITS, GROUP, BK)
     for k0 in range(0, I, BK):
+        if AFFINE_AHEAD:
+            next_ds, next_db = tile_affine(base, off_ds, off_db, n, (k0 + BK) % I, I, BITS, GROUP, BK)
         k = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + pos[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
-        d = _weight_tile(base, off_dw, off_dh, off_ds, off_db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
+        if not AFFINE_AHEAD:
+            ds, db = tile_affine(base, off_ds, off_db, n, k0, I, BITS, GROUP, BK)
+        d = _weight_tile(base, off_dw, off_dh, ds, db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
         acc = _product(acc, h, d, SWAP)
+        if AFFINE_AHEAD:
+            ds, db = next_ds, next_db
     _store_rows(y_ptr, acc, entry, n, H, valid, SWAP)
