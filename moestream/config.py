@@ -281,7 +281,7 @@ class ExpertConfig:
     ring_slots: int = 64  # prefill ring (Cherenkov: 64)
     ring_group: int = 16  # experts per ring batch (Cherenkov: 8; 16 fills the H200's SMs with a batch's launches)
     lookahead: bool = True  # prefetch layer L+1's predicted experts during layer L
-    ring_lookahead: bool = True  # prefill: start the next layer's ring fetches early (suite v7: 90% of bound, off 55%)
+    ring_lookahead: bool = True  # prefill: the next layer's ring fetches start early (v7, 16 a batch: 90% of bound)
     prefill_min_rows: int = 32  # a layer step with this many rows streams its misses through the ring
     read_threads: int = 8
     staging_records: int = 16  # pinned staging buffers when there is no host tier
