@@ -221,10 +221,10 @@ def main() -> None:
     if args.host:
         args.phases, args.tune = "decode", False
     g = QWEN3_30B
-    hbm, mm = h2d_gbs() if args.host else hbm_copy_gbs(), bf16_matmul_tflops()
+    bandwidth, mm = h2d_gbs() if args.host else hbm_copy_gbs(), bf16_matmul_tflops()
     limit = "pinned H2D" if args.host else "HBM copy"
-    print(f"limits: {limit} {hbm:.0f} GB/s, dense bf16 matmul {mm:.0f} TFLOP/s")
-    results = {"limits": {"h2d_gbs" if args.host else "hbm_copy_gbs": hbm, "bf16_matmul_tflops": mm},
+    print(f"limits: {limit} {bandwidth:.0f} GB/s, dense bf16 matmul {mm:.0f} TFLOP/s")
+    results = {"limits": {"h2d_gbs" if args.host else "hbm_copy_gbs": bandwidth, "bf16_matmul_tflops": mm},
                "decode": [], "prefill": []}
     table, best = [], {}
     # Q3/Q2 decode gets its own sweep (it had run Q4's tiles: 1 row 28.5 / 18.2 us against Q4's 14.0); their
@@ -288,7 +288,7 @@ def main() -> None:
             for x in r:
                 if phase == "decode":
                     table.append([precision, phase, x["rows"], f"{x['us']:.1f} us", f"{x['gbs']:.0f} GB/s",
-                                  f"{x['gbs'] / hbm:.0%} of {limit}"])
+                                  f"{x['gbs'] / bandwidth:.0%} of {limit}"])
                 else:
                     table.append([precision, phase, f"{x['rows']} x {x['experts']} experts", f"{x['ms']:.2f} ms",
                                   f"{x['tflops']:.0f} TFLOP/s", f"{x['tflops'] / mm:.0%} of dense bf16"])

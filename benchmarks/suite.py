@@ -23,7 +23,6 @@ import time
 import torch
 
 from benchmarks.common import limits, machine, out_dir
-from moestream.config import ExpertConfig
 from moestream.experts.format import RecordLayout, precision_name
 from moestream.experts.store import open_store
 from moestream.sampling import SamplingParams
@@ -98,7 +97,6 @@ LOW_BIT_SCENARIOS = (("decode", 16, 32), ("prefill", 4096, 1))
 # 30B, pool 25%, host tier (v7, prefill 4096: 90% of bound; no lookahead, group 8: 55%)
 RING = (("moestream, ring group 8", dict(ring_group=8)),
         ("moestream, no ring lookahead, group 8", dict(ring_lookahead=False, ring_group=8)))
-RING_DEFAULTS = ExpertConfig()
 RING_SCENARIOS = (("prefill", 512, 1), ("prefill", 4096, 1))
 _FIRST_PROMPT: dict = {}  # paid once a process, not once a mode: a disk-only 512-token warm-up takes ~9 s
 
@@ -148,9 +146,9 @@ def stage_moestream(args) -> list[dict]:
             total_gb = g.num_records * layout.stride / 1e9
             llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
                       host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host, **opts)
+            ring = llm.engine_config.experts
             base = {"model": name, "engine": engine, "pool": frac, "host_tier": host,
-                    "ring_lookahead": opts.get("ring_lookahead", RING_DEFAULTS.ring_lookahead),
-                    "ring_group": opts.get("ring_group", RING_DEFAULTS.ring_group)}
+                    "ring_lookahead": ring.ring_lookahead, "ring_group": ring.ring_group}
             runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream"
                              else RING_SCENARIOS if "ring" in engine else LOW_BIT_SCENARIOS)
             mode = f"{name}/{engine}, pool {frac:.0%}, {'host tier' if host else 'disk only'}"

@@ -20,6 +20,11 @@ class RingPath:
 
     _speculated: tuple[int, dict] | None = None  # (layer, {ring position: (record id, future)})
 
+    @property
+    def _batch_size(self) -> int:
+        """Experts per ring batch: a batch's copies go out together, so at most one per ring slot."""
+        return min(self.cfg.ring_group, self.pool.ring_slots)
+
     def _ring_path(self, layer: int, g: Grouping, speculated: dict) -> Iterator[ExpertBatch]:
         """`speculated`: {ring position: (record id, future)} fetched for this layer by `_speculate`."""
         self.stats.at(layer, self.cfg.precision).prefill_steps += 1
@@ -61,8 +66,7 @@ class RingPath:
         fetched = {j for j, _, _ in fills + ring_jobs}
         present = [j for j, w in enumerate(waits) if j not in fetched and (w is None or w.done())]
         rest = sorted(set(range(len(slots))) - set(present))
-        ring = self.pool.ring_slots
-        group = min(self.cfg.ring_group, ring)  # a batch's copies go out together: at most one per ring slot
+        group, ring = self._batch_size, self.pool.ring_slots
         batches = ([present] if present else []) + [rest[i: i + group] for i in range(0, len(rest), group)]
         batch_of_job = {j: b for b, idx in enumerate(batches) for j in idx}
         # Each batch's fetches go out together (one copy event a batch: the seed's fetched[b]). A ring job
@@ -123,7 +127,7 @@ class RingPath:
         if items:
             # a fetch call's copies share one ready event: one call a ring batch, so the next layer's first batch
             # waits for its own copies, not for all RING of them
-            group = min(self.cfg.ring_group, self.pool.ring_slots)
+            group = self._batch_size
             futures = [f for i in range(0, len(items), group)
                        for f in self._fetch(layer, items[i: i + group], self.miss_precision, ring=True, early=True)]
             self._speculated = (layer, {r: (rid, f) for r, ((rid, _), f) in enumerate(zip(items, futures))})
