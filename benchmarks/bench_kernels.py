@@ -148,6 +148,15 @@ DECODE_FIRST = [TileConfig(1, 16, 2048, 32, 1024, 4, 1), TileConfig(1, 8, 2048, 
                 TileConfig(1, 16, 512, 32, 256, 4, 4, 0, 4, 3)]
 
 
+# Graphed host-tier decode reads each miss in place over PCIe, where the pieces a load covers matter, not the
+# instructions: Q3/Q2 rows of down's 768 columns are 192 / 96 bytes, so 768 = 512 + 256 reads 128-byte lines in
+# parts (rows are not line-aligned; Q4's 384-byte rows are). A whole row as one masked chunk (masked_tail at
+# BK 1024) reads 4 rows' 768 contiguous bytes per warp load. Offline sm_90: Q3 down 6 LDG.E.128 and 128 registers.
+HOST_FIRST = [*(TileConfig(1, bn, 2048, bnd, 1024, w, 1, masked_tail=1) for bn, bnd, w in
+                [(8, 16, 2), (16, 32, 4), (8, 8, 2), (8, 32, 4)]),
+              TileConfig(1, 16, 2048, 16, 1024, 4, 1), TileConfig(1, 8, 1024, 16, 256, 2, 2)]
+
+
 def _error(outs: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     """The largest relative error of the outputs of one config against another's."""
     return max(float((o - w).norm() / w.norm()) for o, w in zip(outs, want))
@@ -164,7 +173,7 @@ def composed_decode(scored: list) -> TileConfig | None:
     if up is None or down is None:
         return None
     return TileConfig(1, up.bn_gate_up, up.bk_gate_up, down.bn_down, down.bk_down, up.num_warps, up.num_stages, 0,
-                      *down.down)
+                      *down.down, masked_tail=down.masked_tail)  # the flag serves both; only down's K has a tail
 
 
 def _fits_bf16(cfg: TileConfig) -> bool:
@@ -216,10 +225,10 @@ def main() -> None:
     p.add_argument("--phases", default="decode,prefill")
     p.add_argument("--precisions", default="q4,bf16,q3,q2", help="a sweep of all four can outlast a 300 s call")
     p.add_argument("--host", action="store_true", help="decode only, records read in place from pinned host memory "
-                   "(the host tier's graphed decode): bytes against pinned H2D; never tunes")
+                   "(the host tier's graphed decode): bytes against pinned H2D; tunes Q3/Q2 only")
     args = p.parse_args()
     if args.host:
-        args.phases, args.tune = "decode", False
+        args.phases = "decode"
     g = QWEN3_30B
     bandwidth, mm = h2d_gbs() if args.host else hbm_copy_gbs(), bf16_matmul_tflops()
     limit = "pinned H2D" if args.host else "HBM copy"
@@ -232,7 +241,8 @@ def main() -> None:
     for precision in args.precisions.split(","):
         layout = RecordLayout.build(precision, g["hidden"], g["inter"])
         pool = random_pool(layout, g["experts"] if precision == "bf16" else 4 * g["experts"], host=args.host)
-        for phase, configs in (("decode", decode_configs(args.quick)), ("prefill", prefill_configs(args.quick))):
+        decode = HOST_FIRST if args.host else decode_configs(args.quick)
+        for phase, configs in (("decode", decode), ("prefill", prefill_configs(args.quick))):
             if phase not in args.phases.split(",") or (phase == "prefill" and layout.bits in (2, 3)):
                 continue
             scored, first = [], None
@@ -271,7 +281,9 @@ def main() -> None:
                                            "composed": True})
             scored.sort(key=lambda t: -t[0])
             score, cfg, r = scored[0]
-            best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
+            # low-bit experts exist for streaming: their decode tiles are chosen by how they read the host tier
+            if phase != "decode" or (layout.bits in (2, 3)) == args.host:
+                best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
             if phase == "prefill" and cfg.bm >= 128:
                 # ~256 entries an expert leave half the experts a last tile of ~15 at full height: BM 256 computes
                 # 67% useful rows; those tails at BM / 4 (a launch of their own) bring it to ~89%

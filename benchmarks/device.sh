@@ -33,13 +33,14 @@ for stage in "$@"; do
     kernels) timeout 330 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
              cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
     kernels-decode) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases decode \
-                    --precisions "${KERNEL_PRECISIONS:-q4,q3,q2}" 2>&1 | tee "$OUT/kernels.log" | grep -v " rows .* us, " | tail -8
+                    --precisions "${KERNEL_PRECISIONS:-q4}" 2>&1 | tee "$OUT/kernels.log" | grep -v " rows .* us, " | tail -8
                     cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
     kernels-prefill) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases prefill --precisions q4 2>&1 \
                      | tee "$OUT/kernels.log" | grep -v "resident .* ms, ring batch" | tail -10
                      cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
-    kernels-host) timeout 240 python -m benchmarks.bench_kernels --quick --host --precisions q4,q3,q2 2>&1 \
-                  | tee "$OUT/kernels-host.log" | tail -14 ;;
+    kernels-host) timeout 240 python -m benchmarks.bench_kernels --quick --host --tune --precisions q4,q3,q2 2>&1 \
+                  | tee "$OUT/kernels-host.log" | grep -v " rows .* us, " | tail -14  # tunes Q3/Q2 decode
+                  cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
     decode) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --decode --profile 2>&1 | tee "$OUT/decode.log" | tail -30 ;;
     e2e) wait_stores; timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     overlap) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --prefill --fracs 0.25 --lengths 4096 \

@@ -36,6 +36,7 @@ class TileConfig:
     stages_down: int = 0
     swap: int = 0  # prefill: 1 = weights as the MMA's first operand (tiles of BN weight rows x BM entries)
     affine_ahead: int = 0  # prefill: 1 = each K step's group scales and biases loaded a step ahead
+    masked_tail: int = 0  # decode: 1 = the columns past the whole BK chunks as one more chunk, masked, not in parts
 
     @property
     def down(self) -> tuple[int, int]:
@@ -69,7 +70,7 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
         bk_gate_up, bk_down = _fit(bk_gate_up, hidden), _fit(bk_down, inter)
     return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, inter), bk_gate_up, _fit(cfg.bn_down, hidden), bk_down,
                       cfg.num_warps, cfg.num_stages, cfg.unpack, cfg.warps_down, cfg.stages_down, cfg.swap,
-                      cfg.affine_ahead)
+                      cfg.affine_ahead, cfg.masked_tail)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -112,19 +113,23 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     gate_up_gemv_kernel[(n, inter // cfg.bn_gate_up)](
         x, h, entries, addr, records, record_bits, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"],
         o["up_h"], o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group,
-        BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, AHEAD=ahead, PDL=pdl, INDIRECT=indirect, WAIT=wait,
-        SELECT=select, **_tails(hidden, cfg.bk_gate_up), num_warps=cfg.num_warps, num_stages=1, **options(wait))
+        BN=cfg.bn_gate_up, AHEAD=ahead, PDL=pdl, INDIRECT=indirect, WAIT=wait, SELECT=select,
+        **_chunks(hidden, cfg.bk_gate_up, cfg.masked_tail), num_warps=cfg.num_warps, num_stages=1, **options(wait))
     down_gemv_kernel[(n, hidden // cfg.bn_down)](
         h, out, entries, addr, records, record_bits, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask,
-        H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, BK=cfg.bk_down, AHEAD=min(stages_down - 1, 3),
-        PDL=pdl, INDIRECT=indirect, SELECT=select, **_tails(inter, cfg.bk_down), num_warps=warps_down, num_stages=1,
-        **options(pdl))
+        H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, AHEAD=min(stages_down - 1, 3), PDL=pdl,
+        INDIRECT=indirect, SELECT=select, **_chunks(inter, cfg.bk_down, cfg.masked_tail), num_warps=warps_down,
+        num_stages=1, **options(pdl))
 
 
 @functools.cache
-def _tails(k: int, bk: int) -> dict:
-    """The decode GEMVs' columns past their whole BK chunks, in up to two power-of-two parts (the last one
-    masked where two do not fit it exactly): 768 = 512 + 256 at BK 1024; 2560 = 2048 + 512 at BK 2048."""
+def _chunks(k: int, bk: int, masked_tail: int) -> dict:
+    """A decode GEMV's chunks of K: BK, the columns the chunk loop covers (SPAN), and the columns past it in up
+    to two power-of-two parts (the last one masked where two do not fit it exactly): 768 = 512 + 256 at BK 1024;
+    2560 = 2048 + 512 at BK 2048. `masked_tail` covers them with one more chunk, masked: at BK >= K each row reads
+    in one piece, where a Q3/Q2 row of 768 columns (192 bytes) split 512 + 256 reads 128-byte lines in parts."""
+    if masked_tail:
+        return {"BK": bk, "SPAN": -(-k // bk) * bk, "TAIL1": 0, "TAIL2": 0}
     rest, parts = k % bk, []
     while rest and len(parts) < 2:
         part = 1 << (rest.bit_length() - 1)
@@ -132,7 +137,7 @@ def _tails(k: int, bk: int) -> dict:
         parts.append(part)
         rest -= min(part, rest)
     parts += [0] * (2 - len(parts))
-    return {"TAIL1": parts[0], "TAIL2": parts[1]}
+    return {"BK": bk, "SPAN": k // bk * bk, "TAIL1": parts[0], "TAIL2": parts[1]}
 
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,

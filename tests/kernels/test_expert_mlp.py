@@ -262,6 +262,31 @@ def test_decode_chunks_past_k(precision, stages, bk):
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
+@pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("bk", [128, 256])
+def test_decode_last_chunk_masked(precision, stages, bk):
+    """masked_tail: the columns past the whole chunks go as one more chunk, masked past K (192 as 2 x 128 or
+    1 x 256; down's 64 as 1 x 128 or 1 x 256), with chunks loaded ahead too."""
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(7)
+    layout = RecordLayout.build(precision, 192, 64)
+    buf = make_buffer(layout, 2, gen)
+    x = torch.randn(2, 192, generator=gen).to(DEVICE, DTYPE)
+    entries = torch.arange(2, device=DEVICE)
+    addr = torch.tensor([buf[0].data_ptr(), buf[1].data_ptr()], device=DEVICE)
+    out = torch.full((2, 192), float("nan"), dtype=DTYPE, device=DEVICE)
+    cfg = TileConfig(1, 16, bk, 32, bk, 2, stages, masked_tail=1)
+    expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=cfg)
+    want = torch.empty(2, 192, dtype=DTYPE, device=DEVICE)
+    for i in range(2):
+        reference.expert_group(x, buf, [i], layout, [(0, 1)], entries[i:i + 1], 1, want)
+    assert not torch.isnan(out).any()
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
 @pytest.mark.parametrize("rows", [2, 40])
 def test_batches_read_entries_in_place(rows):
     """The provider's batches name entries where they sit in the step's grouping (spans, not a gathered copy):

@@ -172,8 +172,9 @@ def _program(entries_ptr, records_ptr, INDIRECT: tl.constexpr):
 def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_gw, off_gh, off_gs,
                         off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr,
-                        WAIT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
+                        BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+                        INDIRECT: tl.constexpr, WAIT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr,
+                        TAIL2: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
     AHEAD (0 to 3) chunks load before chunk k0 computes (Triton's pipeliner leaves loads that feed no tl.dot
@@ -182,8 +183,9 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
     kernel start early (programmatic dependent launch), to read its weights while this one runs; WAIT: this one
     was launched as a dependent too. INDIRECT: program i's record address is tile_addr[records[i]] (a layer's
     address table indexed by expert id). SELECT (mixed precision, INDIRECT): only the entries whose record has
-    bits_ptr[records[i]] == BITS; another launch computes the others. Columns past the whole BK chunks go in
-    parts of TAIL1 and TAIL2 (0: none), loaded with the first chunk, so no chunk computes masked columns."""
+    bits_ptr[records[i]] == BITS; another launch computes the others. The chunk loop covers columns 0..SPAN (a
+    multiple of BK, masked past H); the columns past SPAN go in parts of TAIL1 and TAIL2 (0: none), loaded with
+    the first chunk."""
     if WAIT:
         dependent_start(True)
     elif PDL:
@@ -196,16 +198,16 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
     xrow = x_ptr + (e // TOP_K) * H
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
-    MAIN: tl.constexpr = H // BK * BK
+    MAIN: tl.constexpr = SPAN if SPAN < H else H  # zeros from here on, nothing read
     if TAIL1 > 0:
-        g1w, g1h = _gemv_load(base, off_gw, off_gh, n, MAIN, H, BITS, TAIL1, H)
-        u1w, u1h = _gemv_load(base, off_uw, off_uh, n, MAIN, H, BITS, TAIL1, H)
+        g1w, g1h = _gemv_load(base, off_gw, off_gh, n, SPAN, H, BITS, TAIL1, H)
+        u1w, u1h = _gemv_load(base, off_uw, off_uh, n, SPAN, H, BITS, TAIL1, H)
     if TAIL2 > 0:
-        g2w, g2h = _gemv_load(base, off_gw, off_gh, n, MAIN + TAIL1, H, BITS, TAIL2, H)
-        u2w, u2h = _gemv_load(base, off_uw, off_uh, n, MAIN + TAIL1, H, BITS, TAIL2, H)
+        g2w, g2h = _gemv_load(base, off_gw, off_gh, n, SPAN + TAIL1, H, BITS, TAIL2, H)
+        u2w, u2h = _gemv_load(base, off_uw, off_uh, n, SPAN + TAIL1, H, BITS, TAIL2, H)
     acc_g = tl.zeros((BN, W), dtype=tl.float32)
     acc_u = tl.zeros((BN, W), dtype=tl.float32)
-    if AHEAD > 0:  # chunks past MAIN load as zeros, reading nothing
+    if AHEAD > 0:  # chunks past SPAN load as zeros, reading nothing
         gw, gh = _gemv_load(base, off_gw, off_gh, n, 0, H, BITS, BK, MAIN)
         uw, uh = _gemv_load(base, off_uw, off_uh, n, 0, H, BITS, BK, MAIN)
         if AHEAD > 1:
@@ -214,7 +216,7 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
         if AHEAD > 2:
             gw2, gh2 = _gemv_load(base, off_gw, off_gh, n, 2 * BK, H, BITS, BK, MAIN)
             uw2, uh2 = _gemv_load(base, off_uw, off_uh, n, 2 * BK, H, BITS, BK, MAIN)
-        for k0 in range(0, MAIN, BK):
+        for k0 in range(0, SPAN, BK):
             gwn, ghn = _gemv_load(base, off_gw, off_gh, n, k0 + AHEAD * BK, H, BITS, BK, MAIN)
             uwn, uhn = _gemv_load(base, off_uw, off_uh, n, k0 + AHEAD * BK, H, BITS, BK, MAIN)
             acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
@@ -227,17 +229,17 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
                 gw, gh, uw, uh, gw1, gh1, uw1, uh1 = gw1, gh1, uw1, uh1, gw2, gh2, uw2, uh2
                 gw2, gh2, uw2, uh2 = gwn, ghn, uwn, uhn
     else:
-        for k0 in range(0, MAIN, BK):
+        for k0 in range(0, SPAN, BK):
             gw, gh = _gemv_load(base, off_gw, off_gh, n, k0, H, BITS, BK, MAIN)
             uw, uh = _gemv_load(base, off_uw, off_uh, n, k0, H, BITS, BK, MAIN)
             acc_g = _gemv_acc(acc_g, gw, gh, base, off_gs, off_gb, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
             acc_u = _gemv_acc(acc_u, uw, uh, base, off_us, off_ub, n, xrow, k0, field_mask, H, BITS, GROUP, BN, BK)
     g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
     if TAIL1 > 0:
-        g += _span_sum(g1w, g1h, base, off_gs, off_gb, n, xrow, MAIN, field_mask, H, BITS, GROUP, BN, TAIL1)
-        u += _span_sum(u1w, u1h, base, off_us, off_ub, n, xrow, MAIN, field_mask, H, BITS, GROUP, BN, TAIL1)
+        g += _span_sum(g1w, g1h, base, off_gs, off_gb, n, xrow, SPAN, field_mask, H, BITS, GROUP, BN, TAIL1)
+        u += _span_sum(u1w, u1h, base, off_us, off_ub, n, xrow, SPAN, field_mask, H, BITS, GROUP, BN, TAIL1)
     if TAIL2 > 0:
-        k2: tl.constexpr = MAIN + TAIL1
+        k2: tl.constexpr = SPAN + TAIL1
         g += _span_sum(g2w, g2h, base, off_gs, off_gb, n, xrow, k2, field_mask, H, BITS, GROUP, BN, TAIL2)
         u += _span_sum(u2w, u2h, base, off_us, off_ub, n, xrow, k2, field_mask, H, BITS, GROUP, BN, TAIL2)
     h = g / (1.0 + tl.exp(-g)) * u
@@ -247,9 +249,9 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
 @triton.jit
 def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_dw, off_dh, off_ds,
                      off_db, field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
                      INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (AHEAD, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
+    """Decode: y[entries[i]] = h[i] @ down.T (SPAN, AHEAD, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
     Launched with PDL it may start before gate_up has finished: the first chunk's weights load before it waits
     for h."""
     i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
@@ -259,7 +261,7 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
     base = record_base(tile_addr_ptr, record)
     n = pid_n * BN + tl.arange(0, BN)
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
-    MAIN: tl.constexpr = I // BK * BK
+    MAIN: tl.constexpr = SPAN if SPAN < I else I
     acc = tl.zeros((BN, W), dtype=tl.float32)
     hrow = h_ptr + i * I
     dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK, MAIN)
@@ -268,13 +270,13 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
     if AHEAD > 2:
         dw2, dh2 = _gemv_load(base, off_dw, off_dh, n, 2 * BK, I, BITS, BK, MAIN)
     if TAIL1 > 0:
-        d1w, d1h = _gemv_load(base, off_dw, off_dh, n, MAIN, I, BITS, TAIL1, I)
+        d1w, d1h = _gemv_load(base, off_dw, off_dh, n, SPAN, I, BITS, TAIL1, I)
     if TAIL2 > 0:
-        d2w, d2h = _gemv_load(base, off_dw, off_dh, n, MAIN + TAIL1, I, BITS, TAIL2, I)
+        d2w, d2h = _gemv_load(base, off_dw, off_dh, n, SPAN + TAIL1, I, BITS, TAIL2, I)
     if PDL:
         gdc_wait()  # h is the gate/up kernel's output
-    for k0 in range(0, MAIN, BK):
-        if AHEAD > 0:  # AHEAD chunks in flight while this one computes (past MAIN: masked, nothing read)
+    for k0 in range(0, SPAN, BK):
+        if AHEAD > 0:  # AHEAD chunks in flight while this one computes (past SPAN: masked, nothing read)
             dwn, dhn = _gemv_load(base, off_dw, off_dh, n, k0 + AHEAD * BK, I, BITS, BK, MAIN)
             acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
             if AHEAD == 1:
@@ -285,11 +287,11 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
                 dw, dh, dw1, dh1, dw2, dh2 = dw1, dh1, dw2, dh2, dwn, dhn
         else:
             acc = _gemv_acc(acc, dw, dh, base, off_ds, off_db, n, hrow, k0, field_mask, I, BITS, GROUP, BN, BK)
-            if k0 + BK < MAIN:
+            if k0 + BK < SPAN:
                 dw, dh = _gemv_load(base, off_dw, off_dh, n, k0 + BK, I, BITS, BK, MAIN)
     y = tl.sum(acc, axis=1)
     if TAIL1 > 0:
-        y += _span_sum(d1w, d1h, base, off_ds, off_db, n, hrow, MAIN, field_mask, I, BITS, GROUP, BN, TAIL1)
+        y += _span_sum(d1w, d1h, base, off_ds, off_db, n, hrow, SPAN, field_mask, I, BITS, GROUP, BN, TAIL1)
     if TAIL2 > 0:
-        y += _span_sum(d2w, d2h, base, off_ds, off_db, n, hrow, MAIN + TAIL1, field_mask, I, BITS, GROUP, BN, TAIL2)
+        y += _span_sum(d2w, d2h, base, off_ds, off_db, n, hrow, SPAN + TAIL1, field_mask, I, BITS, GROUP, BN, TAIL2)
     tl.store(y_ptr + e * H + n, y.to(y_ptr.dtype.element_ty))
