@@ -106,6 +106,11 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig, tail_bm: int = 0) -
     h = torch.empty(rows * top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
 
     def run():
+        if cfg.dequantize_first:  # the engine's path: records to bf16 32 at a time, then the bf16 tiles
+            spans = [(offsets[e], offsets[e + 1]) for e in range(experts) if counts[e]]
+            slots = [e for e in range(experts) if counts[e]]
+            expert_mlp.grouped(x, pool, slots, layout, spans, order, top_k, out, "prefill", cfg=cfg)
+            return
         for c, meta in launches:
             expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k, h=h, cfg=c)
     seconds = cuda_time(run, iters=20)
@@ -196,14 +201,11 @@ def decode_configs(quick: bool):
 # of shared memory); then the runners-up of the session-11 sweep; then swapped tiles (weights as the MMA's
 # register operand; compiled here, 256 entries x 64 weight rows issue ~0.6x the instructions per MAC of the best
 # unswapped tile, at ~245 registers: one CTA an SM).
-# Ahead of them, each K step's scales and biases loaded a step ahead (affine_ahead): loaded in place, each step
-# waited an L2 round trip for them twice (the pipeliner keeps such small loads out of its async copies). Offline
-# sm_90, gate/up and down: per-code unpack with 2 stages keeps 128 registers and 86 / 90 KB of shared memory (two
-# CTAs an SM), 295 / 244 instructions a warp a step against the committed tiles' 369 / 302; per-word unpack
-# ahead needs 199 registers (one CTA an SM). The fourth is the first without ahead, for the A/B.
-PREFILL_FIRST = [TileConfig(256, 32, 64, 64, 64, 8, 2, 0, affine_ahead=1),
-                 TileConfig(256, 32, 64, 64, 64, 8, 3, 1, affine_ahead=1),
-                 TileConfig(256, 32, 64, 64, 64, 8, 3, 0, affine_ahead=1), TileConfig(256, 32, 64, 64, 64, 8, 2, 0),
+# Ahead of them, records dequantized to bf16 records first and the bf16 tiles run on them (dequantize_first; the
+# other fields are unused): the fused tiles serialise dequantization and MMA in each K step at ~21% of dense, the
+# bf16 tiles run at 41-43%, and the dequantization is memory-bound (~0.4 ms a resident 30B layer: 0.34 GB read,
+# 1.2 GB written). affine_ahead (scales a step ahead) lost on the H200 (kernels v12: 2.42 against 2.02 ms).
+PREFILL_FIRST = [TileConfig(256, 64, 64, 128, 64, 8, 3, 1, dequantize_first=1),
                  TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
                  TileConfig(256, 32, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 16, 3, 1),
                  TileConfig(128, 64, 64, 128, 128, 8, 4, 1), TileConfig(128, 64, 64, 64, 128, 4, 3, 1),
@@ -284,7 +286,7 @@ def main() -> None:
             # low-bit experts exist for streaming: their decode tiles are chosen by how they read the host tier
             if phase != "decode" or (layout.bits in (2, 3)) == args.host:
                 best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
-            if phase == "prefill" and cfg.bm >= 128:
+            if phase == "prefill" and cfg.bm >= 128 and not cfg.dequantize_first:
                 # ~256 entries an expert leave half the experts a last tile of ~15 at full height: BM 256 computes
                 # 67% useful rows; those tails at BM / 4 (a launch of their own) bring it to ~89%
                 tails = prefill_cases(layout, pool, cfg, tail_bm=cfg.bm // 4)

@@ -37,6 +37,7 @@ class TileConfig:
     swap: int = 0  # prefill: 1 = weights as the MMA's first operand (tiles of BN weight rows x BM entries)
     affine_ahead: int = 0  # prefill: 1 = each K step's group scales and biases loaded a step ahead
     masked_tail: int = 0  # decode: 1 = the columns past the whole BK chunks as one more chunk, masked, not in parts
+    dequantize_first: int = 0  # prefill: 1 = records dequantized to bf16 first, then the bf16 tiles run on them
 
     @property
     def down(self) -> tuple[int, int]:
@@ -70,7 +71,7 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
         bk_gate_up, bk_down = _fit(bk_gate_up, hidden), _fit(bk_down, inter)
     return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, inter), bk_gate_up, _fit(cfg.bn_down, hidden), bk_down,
                       cfg.num_warps, cfg.num_stages, cfg.unpack, cfg.warps_down, cfg.stages_down, cfg.swap,
-                      cfg.affine_ahead, cfg.masked_tail)
+                      cfg.affine_ahead, cfg.masked_tail, cfg.dequantize_first)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -165,18 +166,27 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
 
 
 def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
-            spans: list[tuple[int, int]], order: torch.Tensor, top_k: int, out: torch.Tensor, phase: str) -> None:
+            spans: list[tuple[int, int]], order: torch.Tensor, top_k: int, out: torch.Tensor, phase: str,
+            cfg: TileConfig | None = None) -> None:
     """Streaming mode: expert j (record in `buffer[slots[j]]`) owns order[spans[j][0]:spans[j][1]].
 
-    Prefill tiles cover up to `bm` entries of one expert, found in `order` where they are. Decode tiles hold
-    one entry each, exactly as in graph mode, so a decode step computes the same bits whether or not it went
-    through the host."""
+    Prefill tiles cover up to `bm` entries of one expert, found in `order` where they are; with
+    `dequantize_first` the records become bf16 records first, 32 at a time, and the bf16 tiles run. Decode tiles
+    hold one entry each, exactly as in graph mode, so a decode step computes the same bits whether or not it went
+    through the host. `cfg` (benchmarks) replaces the quantized layout's tiles."""
     base, stride, tables = buffer.data_ptr(), buffer.stride(0), _tables(x.device)
     if phase == "decode":  # one tile per entry: the entries, back to back, index the tiles
         addr = [base + slot * stride for (a, b), slot in zip(spans, slots) for _ in range(a, b)]
-        launch_decode(x, out, _gathered(spans, order), tables.put([addr])[0], layout, top_k)
+        launch_decode(x, out, _gathered(spans, order), tables.put([addr])[0], layout, top_k, cfg=cfg)
     else:
-        bm = tile_config(phase, layout).bm
+        cfg = cfg or tile_config(phase, layout)
+        if layout.bits < 16 and cfg.dequantize_first:
+            for part in range(0, len(slots), DEQUANTIZE_RECORDS):  # each part reuses one scratch of bf16 records
+                chunk = slice(part, part + DEQUANTIZE_RECORDS)
+                wide, scratch = _dequantized(buffer, slots[chunk], layout, tables)
+                grouped(x, scratch, list(range(len(slots[chunk]))), wide, spans[chunk], order, top_k, out, phase)
+            return
+        bm = cfg.bm
         addr, start, count = [], [], []
         for (a, b), slot in zip(spans, slots):
             for m0 in range(a, b, bm):
@@ -184,8 +194,44 @@ def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: Rec
                 start.append(m0)
                 count.append(min(bm, b - m0))
         meta = tables.put([addr, start, count])
-        launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k)
+        launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k, cfg=cfg)
     tables.launched()
+
+
+DEQUANTIZE_RECORDS = 32  # bf16 records a prefill dequantizes at a time: 302 MB at 30B's geometry
+
+
+def _dequantized(buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
+                 tables: TileTables) -> tuple[RecordLayout, torch.Tensor]:
+    """The records `buffer[slots]` as bf16 records (the same geometry), in a scratch reused by the next call: the
+    stream orders each use after the launches that read it before."""
+    wide = RecordLayout.build("bf16", layout.hidden_size, layout.intermediate_size)
+    scratch = _scratch(buffer.device, DEQUANTIZE_RECORDS, wide.stride)[: len(slots)]
+    base, stride = buffer.data_ptr(), buffer.stride(0)
+    addr = tables.put([[base + slot * stride for slot in slots]])[0]
+    dequantize_records(addr, layout, scratch, wide)
+    tables.launched()
+    return wide, scratch
+
+
+@functools.cache
+def _scratch(device: torch.device, records: int, stride: int) -> torch.Tensor:
+    return torch.empty(records, stride, dtype=torch.uint8, device=device)
+
+
+def dequantize_records(addr: torch.Tensor, layout: RecordLayout, out: torch.Tensor, wide: RecordLayout) -> None:
+    """The records at addresses addr[i] (of `layout`) as bf16 records of `wide` in out[i] (uint8 [n, stride])."""
+    from moestream.kernels.triton.dequantize import dequantize_kernel
+
+    o, have = _offsets(layout), {f.name: f.offset for f in wide.fields}
+    code_mask = (1 << (2 if layout.bits == 3 else layout.bits)) - 1
+    for p, (n, k) in (("gate", (layout.intermediate_size, layout.hidden_size)),
+                      ("up", (layout.intermediate_size, layout.hidden_size)),
+                      ("down", (layout.hidden_size, layout.intermediate_size))):
+        bk = _fit(256, k)
+        dequantize_kernel[(addr.shape[0], n // _fit(32, n))](
+            addr, out, out.stride(0), o[f"{p}_w"], o[f"{p}_h"], o[f"{p}_s"], o[f"{p}_b"], have[f"{p}_w"], code_mask,
+            K=k, BITS=layout.bits, GROUP=layout.group_size or 64, BN=_fit(32, n), BK=bk, num_warps=4)
 
 
 def _gathered(spans: list[tuple[int, int]], order: torch.Tensor) -> torch.Tensor:

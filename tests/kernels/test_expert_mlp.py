@@ -312,3 +312,54 @@ def test_batches_read_entries_in_place(rows):
         expert_mlp.grouped(x, buf, part, layout, [spans[j] for j in part], order, top_k, got, phase)
     assert not torch.isnan(got).any()
     assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("precision", ["q4", "q3", "q2"])
+def test_records_dequantized_to_bf16(precision):
+    """Records dequantized into bf16 records: the reference's weights, within one bf16 rounding (the kernel may
+    fuse q * s + b into one FMA); poisoned outputs prove every weight is written."""
+    from moestream.kernels import expert_mlp
+
+    gen = torch.Generator().manual_seed(8)
+    layout = RecordLayout.build(precision, 192, 128)
+    wide = RecordLayout.build("bf16", 192, 128)
+    buf = make_buffer(layout, 3, gen)
+    addr = torch.tensor([buf[2].data_ptr(), buf[0].data_ptr()], device=DEVICE)
+    got = torch.zeros(2, wide.stride, dtype=torch.uint8, device=DEVICE)
+    for f in wide.fields:
+        wide.views(got)[f.name].fill_(float("nan"))
+    expert_mlp.dequantize_records(addr, layout, got, wide)
+    want = torch.zeros_like(got)
+    reference.dequantized_records([buf[2], buf[0]], layout, wide, want)
+    for name, w in wide.views(want).items():
+        g = wide.views(got)[name].float()
+        assert not torch.isnan(g).any()
+        assert ((g - w.float()).abs() <= w.float().abs() * 2**-7 + 1e-6).all(), name
+
+
+@pytest.mark.parametrize("precision", ["q4", "q3", "q2"])
+def test_prefill_dequantized_first(precision):
+    """Prefill with dequantize_first: records become bf16 records 32 at a time (40 experts: two parts reusing one
+    scratch), and the bf16 tiles give the reference's outputs."""
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(9)
+    layout = RecordLayout.build(precision, 128, 64)
+    rows, top_k, num_experts = 48, 2, 40
+    x = torch.randn(rows, 128, generator=gen).to(DEVICE, DTYPE)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows)])
+    order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+    offsets = [0] + torch.cumsum(torch.tensor(counts), 0).tolist()
+    spans = [(offsets[e], offsets[e + 1]) for e in range(num_experts) if counts[e]]
+    assert len(spans) > expert_mlp.DEQUANTIZE_RECORDS
+    buf = make_buffer(layout, len(spans), gen)
+    slots = list(range(len(spans)))[::-1]  # slots out of order
+    want = torch.full((rows * top_k, 128), float("nan"), dtype=DTYPE, device=DEVICE)
+    reference.expert_group(x, buf, slots, layout, spans, order, top_k, want)
+    got = torch.full_like(want, float("nan"))
+    cfg = TileConfig(64, 64, 64, 64, 64, 4, 2, dequantize_first=1)
+    expert_mlp.grouped(x, buf, slots, layout, spans, order, top_k, got, "prefill", cfg=cfg)
+    assert not torch.isnan(got).any()
+    assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
