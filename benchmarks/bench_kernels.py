@@ -204,7 +204,8 @@ def decode_configs(quick: bool):
 # Ahead of them, records dequantized to bf16 records first and the bf16 tiles run on them (dequantize_first; the
 # other fields are unused): the fused tiles serialise dequantization and MMA in each K step at ~21% of dense, the
 # bf16 tiles run at 41-43%, and the dequantization is memory-bound (~0.4 ms a resident 30B layer: 0.34 GB read,
-# 1.2 GB written). affine_ahead (scales a step ahead) lost on the H200 (kernels v12: 2.42 against 2.02 ms).
+# 1.2 GB written). Measured (kernels v13): resident 1.70 against the fused 1.95 ms, but a ring batch 0.47 against
+# 0.23, so it loses the score and stays off.
 PREFILL_FIRST = [TileConfig(256, 64, 64, 128, 64, 8, 3, 1, dequantize_first=1),
                  TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
                  TileConfig(256, 32, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 16, 3, 1),

@@ -35,8 +35,8 @@ for stage in "$@"; do
     kernels-decode) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases decode \
                     --precisions "${KERNEL_PRECISIONS:-q4}" 2>&1 | tee "$OUT/kernels.log" | grep -v " rows .* us, " | tail -8
                     cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
-    kernels-prefill) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases prefill --precisions q4 2>&1 \
-                     | tee "$OUT/kernels.log" | grep -v "resident .* ms, ring batch" | tail -10
+    kernels-prefill) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases prefill \
+                     --precisions "${KERNEL_PRECISIONS:-q4}" 2>&1 | tee "$OUT/kernels.log" | grep -v "resident .* ms, ring batch" | tail -10
                      cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
     kernels-host) timeout 240 python -m benchmarks.bench_kernels --quick --host --tune --precisions q4,q3,q2 2>&1 \
                   | tee "$OUT/kernels-host.log" | grep -v " rows .* us, " | tail -14  # tunes Q3/Q2 decode

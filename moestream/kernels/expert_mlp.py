@@ -35,7 +35,6 @@ class TileConfig:
     warps_down: int = 0  # decode: the down kernel's own warps and stages (0: the same as gate/up's)
     stages_down: int = 0
     swap: int = 0  # prefill: 1 = weights as the MMA's first operand (tiles of BN weight rows x BM entries)
-    affine_ahead: int = 0  # prefill: 1 = each K step's group scales and biases loaded a step ahead
     masked_tail: int = 0  # decode: 1 = the columns past the whole BK chunks as one more chunk, masked, not in parts
     dequantize_first: int = 0  # prefill: 1 = records dequantized to bf16 first, then the bf16 tiles run on them
 
@@ -71,7 +70,7 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
         bk_gate_up, bk_down = _fit(bk_gate_up, hidden), _fit(bk_down, inter)
     return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, inter), bk_gate_up, _fit(cfg.bn_down, hidden), bk_down,
                       cfg.num_warps, cfg.num_stages, cfg.unpack, cfg.warps_down, cfg.stages_down, cfg.swap,
-                      cfg.affine_ahead, cfg.masked_tail, cfg.dequantize_first)
+                      cfg.masked_tail, cfg.dequantize_first)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -157,12 +156,11 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
         o["up_w"], o["up_h"], o["up_s"], o["up_b"], code_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits,
         GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, SWAP=cfg.swap,
-        AFFINE_AHEAD=cfg.affine_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
         code_mask, H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down,
-        UNPACK=cfg.unpack, SWAP=cfg.swap, AFFINE_AHEAD=cfg.affine_ahead, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        UNPACK=cfg.unpack, SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,

@@ -206,33 +206,32 @@ def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
-@pytest.mark.parametrize("precision,unpack,swap,bk", [("q4", 0, 0, 64), ("q4", 1, 0, 64), ("q4", 1, 1, 128),
-                                                      ("q3", 0, 0, 128), ("q3", 1, 1, 64), ("q2", 1, 0, 64),
-                                                      ("bf16", 0, 0, 64)])
-def test_prefill_scales_loaded_a_step_ahead_change_no_bit(precision, unpack, swap, bk):
-    """Each K step's group scales and biases loaded a step ahead (affine_ahead): the same bits as loaded in place,
-    over several K steps (192 = 3 x 64; down's 128 = 2 x 64 or 1 x 128)."""
-    from moestream.kernels import expert_mlp
-    from moestream.kernels.expert_mlp import TileConfig
+def _routed(rows: int, top_k: int, num_experts: int, gen: torch.Generator) -> tuple[torch.Tensor, list]:
+    """Random top-k routing grouped by expert: (order, the spans of the experts that got entries)."""
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows)])
+    order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+    offsets = [0] + torch.cumsum(torch.tensor(counts), 0).tolist()
+    return order, [(offsets[e], offsets[e + 1]) for e in range(num_experts) if counts[e]]
 
-    gen = torch.Generator().manual_seed(5)
-    layout = RecordLayout.build(precision, 192, 128)
+
+def _decode_two_experts(precision: str, cfg, seed: int) -> None:
+    """One row through each of two experts (hidden 192, intermediate 64) with tiles `cfg`, against the reference."""
+    from moestream.kernels import expert_mlp
+
+    gen = torch.Generator().manual_seed(seed)
+    layout = RecordLayout.build(precision, 192, 64)
     buf = make_buffer(layout, 2, gen)
-    rows, top_k = 40, 2
-    x = torch.randn(rows, 192, generator=gen).to(DEVICE, DTYPE)
-    entries = torch.arange(rows * top_k, device=DEVICE)
-    order = torch.cat([entries[0::2], entries[1::2]])
-    meta = torch.tensor([[buf[0].data_ptr(), buf[1].data_ptr()], [0, rows], [rows, rows]], device=DEVICE)
-    outs = []
-    for ahead in (0, 1):
-        out = torch.full((rows * top_k, 192), float("nan"), dtype=DTYPE, device=DEVICE)
-        cfg = TileConfig(64, 64, 64, 64, bk, 4, 2, unpack, swap=swap, affine_ahead=ahead)
-        expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k, cfg=cfg)
-        outs.append(out)
-    want = torch.empty_like(outs[0])
-    reference.expert_group(x, buf, [0, 1], layout, [(0, rows), (rows, 2 * rows)], order, top_k, want)
-    assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1])
-    assert (outs[1].float() - want.float()).norm() / want.float().norm() < 2e-2
+    x = torch.randn(2, 192, generator=gen).to(DEVICE, DTYPE)
+    entries = torch.arange(2, device=DEVICE)
+    addr = torch.tensor([buf[0].data_ptr(), buf[1].data_ptr()], device=DEVICE)
+    out = torch.full((2, 192), float("nan"), dtype=DTYPE, device=DEVICE)
+    expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=cfg)
+    want = torch.empty(2, 192, dtype=DTYPE, device=DEVICE)
+    for i in range(2):
+        reference.expert_group(x, buf, [i], layout, [(0, 1)], entries[i:i + 1], 1, want)
+    assert not torch.isnan(out).any()
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
@@ -242,24 +241,10 @@ def test_decode_chunks_past_k(precision, stages, bk):
     """Decode K chunks need not divide K: the columns past the whole chunks go in power-of-two parts (192 = 128
     + 64 at BK 128, 128 + 64 at BK 256; 64 at BK 256 for down); up to 3 chunks load ahead (three chunks of 64);
     the down kernel may take warps and stages of its own."""
-    from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
-    gen = torch.Generator().manual_seed(5)
-    layout = RecordLayout.build(precision, 192, 64)
-    buf = make_buffer(layout, 2, gen)
-    x = torch.randn(2, 192, generator=gen).to(DEVICE, DTYPE)
-    entries = torch.arange(2, device=DEVICE)
-    addr = torch.tensor([buf[0].data_ptr(), buf[1].data_ptr()], device=DEVICE)
-    out = torch.full((2, 192), float("nan"), dtype=DTYPE, device=DEVICE)
     up_stages, *down = stages if isinstance(stages, tuple) else (stages, 0, 0)
-    cfg = TileConfig(1, 16, bk, 32, 256, 2, up_stages, 0, *down)
-    expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=cfg)
-    want = torch.empty(2, 192, dtype=DTYPE, device=DEVICE)
-    for i in range(2):
-        reference.expert_group(x, buf, [i], layout, [(0, 1)], entries[i:i + 1], 1, want)
-    assert not torch.isnan(out).any()
-    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+    _decode_two_experts(precision, TileConfig(1, 16, bk, 32, 256, 2, up_stages, 0, *down), 5)
 
 
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
@@ -268,23 +253,9 @@ def test_decode_chunks_past_k(precision, stages, bk):
 def test_decode_last_chunk_masked(precision, stages, bk):
     """masked_tail: the columns past the whole chunks go as one more chunk, masked past K (192 as 2 x 128 or
     1 x 256; down's 64 as 1 x 128 or 1 x 256), with chunks loaded ahead too."""
-    from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
-    gen = torch.Generator().manual_seed(7)
-    layout = RecordLayout.build(precision, 192, 64)
-    buf = make_buffer(layout, 2, gen)
-    x = torch.randn(2, 192, generator=gen).to(DEVICE, DTYPE)
-    entries = torch.arange(2, device=DEVICE)
-    addr = torch.tensor([buf[0].data_ptr(), buf[1].data_ptr()], device=DEVICE)
-    out = torch.full((2, 192), float("nan"), dtype=DTYPE, device=DEVICE)
-    cfg = TileConfig(1, 16, bk, 32, bk, 2, stages, masked_tail=1)
-    expert_mlp.launch_decode(x, out, entries, addr, layout, 1, cfg=cfg)
-    want = torch.empty(2, 192, dtype=DTYPE, device=DEVICE)
-    for i in range(2):
-        reference.expert_group(x, buf, [i], layout, [(0, 1)], entries[i:i + 1], 1, want)
-    assert not torch.isnan(out).any()
-    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+    _decode_two_experts(precision, TileConfig(1, 16, bk, 32, bk, 2, stages, masked_tail=1), 7)
 
 
 @pytest.mark.parametrize("rows", [2, 40])
@@ -297,11 +268,7 @@ def test_batches_read_entries_in_place(rows):
     layout = RecordLayout.build("q4", 128, 64)
     top_k, num_experts = 2, 6
     x = torch.randn(rows, 128, generator=gen).to(DEVICE, DTYPE)
-    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows)])
-    order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)
-    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
-    offsets = [0] + torch.cumsum(torch.tensor(counts), 0).tolist()
-    spans = [(offsets[e], offsets[e + 1]) for e in range(num_experts) if counts[e]]
+    order, spans = _routed(rows, top_k, num_experts, gen)
     buf = make_buffer(layout, len(spans), gen)
     slots = list(range(len(spans)))
     want = torch.full((rows * top_k, 128), float("nan"), dtype=DTYPE, device=DEVICE)
@@ -348,11 +315,7 @@ def test_prefill_dequantized_first(precision):
     layout = RecordLayout.build(precision, 128, 64)
     rows, top_k, num_experts = 48, 2, 40
     x = torch.randn(rows, 128, generator=gen).to(DEVICE, DTYPE)
-    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows)])
-    order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)
-    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
-    offsets = [0] + torch.cumsum(torch.tensor(counts), 0).tolist()
-    spans = [(offsets[e], offsets[e + 1]) for e in range(num_experts) if counts[e]]
+    order, spans = _routed(rows, top_k, num_experts, gen)
     assert len(spans) > expert_mlp.DEQUANTIZE_RECORDS
     buf = make_buffer(layout, len(spans), gen)
     slots = list(range(len(spans)))[::-1]  # slots out of order

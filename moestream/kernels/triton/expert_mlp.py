@@ -129,11 +129,8 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
                    off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, code_mask,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr,
-                   SWAP: tl.constexpr, AFFINE_AHEAD: tl.constexpr):
-    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile.
-
-    The pipeliner leaves the groups' scale and bias loads out of its async copies (too small), so each step
-    waits an L2 round trip for them, twice; AFFINE_AHEAD loads them a step ahead, in registers carried over."""
+                   SWAP: tl.constexpr):
+    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     row = entry // TOP_K
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -142,27 +139,16 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
     else:
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
-    if AFFINE_AHEAD:
-        gs, gb = tile_affine(base, off_gs, off_gb, n, 0, H, BITS, GROUP, BK)
-        us, ub = tile_affine(base, off_us, off_ub, n, 0, H, BITS, GROUP, BK)
     for k0 in range(0, H, BK):
-        if AFFINE_AHEAD:
-            ahead = (k0 + BK) % H  # the next step's groups (the last step reloads the first: harmless)
-            next_gs, next_gb = tile_affine(base, off_gs, off_gb, n, ahead, H, BITS, GROUP, BK)
-            next_us, next_ub = tile_affine(base, off_us, off_ub, n, ahead, H, BITS, GROUP, BK)
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
         x = x.to(x_ptr.dtype.element_ty)
-        if not AFFINE_AHEAD:
-            gs, gb = tile_affine(base, off_gs, off_gb, n, k0, H, BITS, GROUP, BK)
+        gs, gb = tile_affine(base, off_gs, off_gb, n, k0, H, BITS, GROUP, BK)
         g = _weight_tile(base, off_gw, off_gh, gs, gb, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
         acc_g = _product(acc_g, x, g, SWAP)
-        if not AFFINE_AHEAD:
-            us, ub = tile_affine(base, off_us, off_ub, n, k0, H, BITS, GROUP, BK)
+        us, ub = tile_affine(base, off_us, off_ub, n, k0, H, BITS, GROUP, BK)
         u = _weight_tile(base, off_uw, off_uh, us, ub, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
         acc_u = _product(acc_u, x, u, SWAP)
-        if AFFINE_AHEAD:
-            gs, gb, us, ub = next_gs, next_gb, next_us, next_ub
     _store_rows(h_ptr, acc_g / (1.0 + tl.exp(-acc_g)) * acc_u, pos, n, I, valid, SWAP)
 
 
@@ -170,8 +156,7 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                 off_dw, off_dh, off_ds, off_db, code_mask,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
-                AFFINE_AHEAD: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr):
     """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -179,17 +164,10 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if AFFINE_AHEAD:
-        ds, db = tile_affine(base, off_ds, off_db, n, 0, I, BITS, GROUP, BK)
     for k0 in range(0, I, BK):
-        if AFFINE_AHEAD:
-            next_ds, next_db = tile_affine(base, off_ds, off_db, n, (k0 + BK) % I, I, BITS, GROUP, BK)
         k = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + pos[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
-        if not AFFINE_AHEAD:
-            ds, db = tile_affine(base, off_ds, off_db, n, k0, I, BITS, GROUP, BK)
+        ds, db = tile_affine(base, off_ds, off_db, n, k0, I, BITS, GROUP, BK)
         d = _weight_tile(base, off_dw, off_dh, ds, db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
         acc = _product(acc, h, d, SWAP)
-        if AFFINE_AHEAD:
-            ds, db = next_ds, next_db
     _store_rows(y_ptr, acc, entry, n, H, valid, SWAP)
