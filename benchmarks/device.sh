@@ -13,6 +13,7 @@ TUNED=/tmp/expert_mlp.tuned.json
 STATE_DIR=/tmp/suite-state
 [ -f "$TUNED" ] && cp "$TUNED" moestream/kernels/configs/expert_mlp.json  # this checkout is the local one again
 [ -n "${SUITE_STATE:-}" ] && mkdir -p $STATE_DIR && cp "$SUITE_STATE" $STATE_DIR/suite.json
+[ -n "${MOESTREAM_COMMIT:-}" ] || echo "warning: MOESTREAM_COMMIT unset: rows record this copy's .git, which can be stale"
 s12() { [ -f /tmp/s12/manifest.json ] || python -m benchmarks.synthetic /tmp/s12 --geometry qwen3-30b --layers 12; }  # 12 layers, 6 GB
 wait_stores() { [ -f /tmp/stores.pid ] && while kill -0 "$(cat /tmp/stores.pid)" 2>/dev/null; do sleep 2; done; true; }
 suite() {  # suite SECONDS STAGE ARGS...: state carried in $STATE_DIR between stages and calls

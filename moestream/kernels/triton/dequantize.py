@@ -4,7 +4,7 @@ fused Q4 tiles serialise dequantization and MMA in each K step (NOTES, session 1
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton.expert_mlp import _weight_tile, record_base, tile_affine
+from moestream.kernels.triton.expert_mlp import record_base, tile_affine, weight_tile
 
 
 @triton.jit
@@ -19,5 +19,5 @@ def dequantize_kernel(addr_ptr, out_ptr, out_stride, off_w, off_h, off_s, off_b,
     out = (out_ptr + r.to(tl.int64) * out_stride + off_out).to(tl.pointer_type(tl.bfloat16))
     for k0 in range(0, K, BK):
         s, b = tile_affine(base, off_s, off_b, rows, k0, K, BITS, GROUP, BK)
-        w = _weight_tile(base, off_w, off_h, s, b, rows, k0, code_mask, K, BITS, GROUP, BN, BK, 1)
+        w = weight_tile(base, off_w, off_h, s, b, rows, k0, code_mask, K, BITS, GROUP, BN, BK, 1)
         tl.store(out + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :], w.to(tl.bfloat16))

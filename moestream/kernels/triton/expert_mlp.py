@@ -49,8 +49,8 @@ def tile_affine(base, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
-def _weight_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.constexpr, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
+def weight_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.constexpr, BITS: tl.constexpr,
+                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
     """A [BN, BK] tile (rows `rows`, columns k0..k0+BK) of an [N, K] weight, dequantized to fp32 with its
     groups' `scale` and `bias` (`tile_affine`).
 
@@ -144,10 +144,10 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
         x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
         x = x.to(x_ptr.dtype.element_ty)
         gs, gb = tile_affine(base, off_gs, off_gb, n, k0, H, BITS, GROUP, BK)
-        g = _weight_tile(base, off_gw, off_gh, gs, gb, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
+        g = weight_tile(base, off_gw, off_gh, gs, gb, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
         acc_g = _product(acc_g, x, g, SWAP)
         us, ub = tile_affine(base, off_us, off_ub, n, k0, H, BITS, GROUP, BK)
-        u = _weight_tile(base, off_uw, off_uh, us, ub, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
+        u = weight_tile(base, off_uw, off_uh, us, ub, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
         acc_u = _product(acc_u, x, u, SWAP)
     _store_rows(h_ptr, acc_g / (1.0 + tl.exp(-acc_g)) * acc_u, pos, n, I, valid, SWAP)
 
@@ -168,6 +168,6 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
         k = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + pos[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
         ds, db = tile_affine(base, off_ds, off_db, n, k0, I, BITS, GROUP, BK)
-        d = _weight_tile(base, off_dw, off_dh, ds, db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
+        d = weight_tile(base, off_dw, off_dh, ds, db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
         acc = _product(acc, h, d, SWAP)
     _store_rows(y_ptr, acc, entry, n, H, valid, SWAP)
