@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -218,18 +219,18 @@ def _scratch(device: torch.device, records: int, stride: int) -> torch.Tensor:
 
 
 def dequantize_records(addr: torch.Tensor, layout: RecordLayout, out: torch.Tensor, wide: RecordLayout) -> None:
-    """The records at addresses addr[i] (of `layout`) as bf16 records of `wide` in out[i] (uint8 [n, stride])."""
+    """The records at addresses addr[i] (of `layout`) as bf16 records of `wide` in out[i] (uint8 [n, stride]), in
+    one launch (a ring batch's host time is mostly launches)."""
     from moestream.kernels.triton.dequantize import dequantize_kernel
 
-    o, have = _offsets(layout), {f.name: f.offset for f in wide.fields}
-    code_mask = (1 << (2 if layout.bits == 3 else layout.bits)) - 1
-    for p, (n, k) in (("gate", (layout.intermediate_size, layout.hidden_size)),
-                      ("up", (layout.intermediate_size, layout.hidden_size)),
-                      ("down", (layout.hidden_size, layout.intermediate_size))):
-        bk = _fit(256, k)
-        dequantize_kernel[(addr.shape[0], n // _fit(32, n))](
-            addr, out, out.stride(0), o[f"{p}_w"], o[f"{p}_h"], o[f"{p}_s"], o[f"{p}_b"], have[f"{p}_w"], code_mask,
-            K=k, BITS=layout.bits, GROUP=layout.group_size or 64, BN=_fit(32, n), BK=bk, num_warps=4)
+    hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
+    have = {f.name: f.offset for f in wide.fields}
+    bn = _fit(32, math.gcd(hidden, inter))
+    dequantize_kernel[(addr.shape[0], (2 * inter + hidden) // bn)](
+        addr, out, out.stride(0), *(o[f"{p}_{f}"] for p in ("gate", "up", "down") for f in "whsb"),
+        have["gate_w"], have["up_w"], have["down_w"], (1 << (2 if layout.bits == 3 else layout.bits)) - 1,
+        H=hidden, I=inter, BITS=layout.bits, GROUP=layout.group_size or 64, BN=bn, BK_H=_fit(256, hidden),
+        BK_I=_fit(256, inter), num_warps=4)
 
 
 def _gathered(spans: list[tuple[int, int]], order: torch.Tensor) -> torch.Tensor:

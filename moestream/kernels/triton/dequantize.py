@@ -8,16 +8,37 @@ from moestream.kernels.triton.expert_mlp import record_base, tile_affine, weight
 
 
 @triton.jit
-def dequantize_kernel(addr_ptr, out_ptr, out_stride, off_w, off_h, off_s, off_b, off_out, code_mask,
-                      K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows BN * program_id(1) .. of one [N, K] weight of record addr[program_id(0)], into the same weight's
-    field (at byte `off_out`) of bf16 record program_id(0) of `out_ptr` (records `out_stride` bytes apart): the
-    values the fused prefill tiles compute, q * s + b in fp32 rounded to bf16."""
-    r = tl.program_id(0)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    base = record_base(addr_ptr, r)
-    out = (out_ptr + r.to(tl.int64) * out_stride + off_out).to(tl.pointer_type(tl.bfloat16))
+def _rows(base, out, off_w, off_h, off_s, off_b, rows, code_mask, K: tl.constexpr, BITS: tl.constexpr,
+          GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows `rows` of one [N, K] weight, q * s + b in fp32 rounded to bf16 (the values the fused tiles use)."""
     for k0 in range(0, K, BK):
         s, b = tile_affine(base, off_s, off_b, rows, k0, K, BITS, GROUP, BK)
         w = weight_tile(base, off_w, off_h, s, b, rows, k0, code_mask, K, BITS, GROUP, BN, BK, 1)
         tl.store(out + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :], w.to(tl.bfloat16))
+
+
+@triton.jit
+def dequantize_kernel(addr_ptr, out_ptr, out_stride, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us,
+                      off_ub, off_dw, off_dh, off_ds, off_db, out_gate, out_up, out_down, code_mask,
+                      H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+                      BK_H: tl.constexpr, BK_I: tl.constexpr):
+    """Record addr[program_id(0)] into bf16 record program_id(0) of `out_ptr` (records `out_stride` bytes apart,
+    fields at byte offsets out_gate/up/down): one launch for the three weights, BN rows a program (gate's
+    I / BN blocks, then up's, then down's H / BN)."""
+    r = tl.program_id(0)
+    block = tl.program_id(1)
+    base = record_base(addr_ptr, r)
+    out = out_ptr + r.to(tl.int64) * out_stride
+    if block < 2 * (I // BN):
+        up = block >= I // BN
+        rows = (block - up * (I // BN)) * BN + tl.arange(0, BN)
+        if up:
+            _rows(base, (out + out_up).to(tl.pointer_type(tl.bfloat16)), off_uw, off_uh, off_us, off_ub, rows,
+                  code_mask, H, BITS, GROUP, BN, BK_H)
+        else:
+            _rows(base, (out + out_gate).to(tl.pointer_type(tl.bfloat16)), off_gw, off_gh, off_gs, off_gb, rows,
+                  code_mask, H, BITS, GROUP, BN, BK_H)
+    else:
+        rows = (block - 2 * (I // BN)) * BN + tl.arange(0, BN)
+        _rows(base, (out + out_down).to(tl.pointer_type(tl.bfloat16)), off_dw, off_dh, off_ds, off_db, rows,
+              code_mask, I, BITS, GROUP, BN, BK_I)
