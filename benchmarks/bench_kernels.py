@@ -206,7 +206,19 @@ def decode_configs(quick: bool):
 # bf16 tiles run at 41-43%, and the dequantization is memory-bound (~0.4 ms a resident 30B layer: 0.34 GB read,
 # 1.2 GB written). Measured (kernels v13): resident 1.70 against the fused 1.95 ms, but a ring batch 0.47 against
 # 0.23, so it loses the score and stays off.
-PREFILL_FIRST = [TileConfig(256, 64, 64, 128, 64, 8, 3, 1, dequantize_first=1),
+# First of all, codes unpacked in the thread that loaded their word (unpack 2): with unpack 1 Triton spread each
+# word's codes over the lanes, so each thread unpacked one code per word and loaded a scale per code. Offline
+# sm_90, the committed swapped tiles, instructions a warp a K step: gate/up 557 -> 336, down 506 -> 276; scale
+# loads 64 -> 4; no spills. With gate and up joined in one tile (join: 64 gate + 64 up rows, one 64x256 MMA where
+# there were two 64x128): 281.
+# With unpack 2 a step's scales and biases are a few registers a thread, so loading them a step ahead
+# (affine_ahead, joined and down tiles: 246 -> 248 and 227 -> 231 registers) costs little.
+PREFILL_FIRST = [TileConfig(256, 64, 64, 128, 64, 8, 3, 2, swap=1),
+                 TileConfig(256, 128, 64, 128, 64, 8, 3, 2, swap=1, join=1),
+                 TileConfig(256, 128, 64, 128, 64, 8, 3, 2, swap=1, join=1, affine_ahead=1),
+                 TileConfig(256, 64, 64, 128, 64, 8, 2, 2, swap=1), TileConfig(256, 64, 64, 64, 64, 8, 3, 2),
+                 TileConfig(256, 64, 64, 128, 64, 8, 3, 1, dequantize_first=1),
+                 TileConfig(256, 128, 64, 128, 64, 8, 3, 1, swap=1, join=1),
                  TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
                  TileConfig(256, 32, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 16, 3, 1),
                  TileConfig(128, 64, 64, 128, 128, 8, 4, 1), TileConfig(128, 64, 64, 64, 128, 4, 3, 1),
@@ -215,7 +227,7 @@ PREFILL_FIRST = [TileConfig(256, 64, 64, 128, 64, 8, 3, 1, dequantize_first=1),
 
 
 def prefill_configs(quick: bool):
-    grid = itertools.product([64, 128, 256], [64, 128], [64, 128], [64, 128], [64, 128], [4, 8], [2, 3, 4], [0, 1])
+    grid = itertools.product([64, 128, 256], [64, 128], [64, 128], [64, 128], [64, 128], [4, 8], [2, 3, 4], [0, 1, 2])
     out = [TileConfig(bm, bn, bk, bnd, bkd, w, s, u) for bm, bn, bk, bnd, bkd, w, s, u in grid]
     random.Random(1).shuffle(out)
     return PREFILL_FIRST + [c for c in out if c not in PREFILL_FIRST][: 10 if quick else 42]

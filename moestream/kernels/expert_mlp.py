@@ -32,12 +32,14 @@ class TileConfig:
     bk_down: int
     num_warps: int = 4
     num_stages: int = 3
-    unpack: int = 0
+    unpack: int = 0  # prefill: codes split per code (0), per word by a reshape (1), per word in-thread (2)
     warps_down: int = 0  # decode: the down kernel's own warps and stages (0: the same as gate/up's)
     stages_down: int = 0
     swap: int = 0  # prefill: 1 = weights as the MMA's first operand (tiles of BN weight rows x BM entries)
     masked_tail: int = 0  # decode: 1 = the columns past the whole BK chunks as one more chunk, masked, not in parts
     dequantize_first: int = 0  # prefill: 1 = records dequantized to bf16 first, then the bf16 tiles run on them
+    join: int = 0  # prefill: 1 = gate/up tiles of bn_gate_up / 2 gate rows and the same up rows, one MMA a step
+    affine_ahead: int = 0  # prefill: 1 = scales and biases a K step ahead (down and joined gate/up tiles)
 
     @property
     def down(self) -> tuple[int, int]:
@@ -71,7 +73,7 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
         bk_gate_up, bk_down = _fit(bk_gate_up, hidden), _fit(bk_down, inter)
     return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, inter), bk_gate_up, _fit(cfg.bn_down, hidden), bk_down,
                       cfg.num_warps, cfg.num_stages, cfg.unpack, cfg.warps_down, cfg.stages_down, cfg.swap,
-                      cfg.masked_tail, cfg.dequantize_first)
+                      cfg.masked_tail, cfg.dequantize_first, cfg.join, cfg.affine_ahead)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -153,15 +155,24 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
     bits, group, tiles = layout.bits, layout.group_size or 64, tile_addr.shape[0]
     h = torch.empty(entries.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
     code_mask = (1 << (2 if bits == 3 else bits)) - 1 if bits < 16 else 0  # at run time: ptxas fuses it in a LOP3
-    gate_up_kernel[(tiles, inter // cfg.bn_gate_up)](
+    join = int(cfg.join and _joinable(layout))
+    gate_up_kernel[(tiles, inter * (1 + join) // cfg.bn_gate_up)](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
         o["up_w"], o["up_h"], o["up_s"], o["up_b"], code_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits,
-        GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, SWAP=cfg.swap,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, SWAP=cfg.swap, JOIN=join,
+        AHEAD=cfg.affine_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
         code_mask, H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down,
-        UNPACK=cfg.unpack, SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UNPACK=cfg.unpack, SWAP=cfg.swap, AHEAD=cfg.affine_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@functools.cache
+def _joinable(layout: RecordLayout) -> bool:
+    """Joined gate/up tiles move each up row's base by one distance for its codes and one for its scales and biases
+    (`_joined_gate_up`): Q3's high-bit plane would need a third."""
+    o = _offsets(layout)
+    return layout.bits != 3 and o["up_s"] - o["gate_s"] == o["up_b"] - o["gate_b"]
 
 
 def grouped(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,

@@ -181,29 +181,36 @@ def test_decode_with_prefetch(precision, stages):
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
-@pytest.mark.parametrize("precision,unpack,swap", [("q4", 1, 0), ("q3", 0, 0), ("q3", 1, 0), ("q2", 1, 0), ("q4", 0, 1),
-                                                   ("q4", 1, 1), ("q3", 1, 1), ("q2", 1, 1), ("bf16", 0, 1)])
-def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
-    """BM 256 tiles (a whole expert's rows at 4096 tokens): one tile may hold every entry of an expert; each
-    precision's codes unpacked per code (0) or per word (1); weights as the MMA's first operand (swap) or second."""
+def _prefill_two_experts(precision: str, hidden: int, inter: int, rows: int, cfg, seed: int) -> None:
+    """`rows` rows through each of two experts (entry e uses expert e % 2) with tiles `cfg`, against the reference."""
     from moestream.kernels import expert_mlp
-    from moestream.kernels.expert_mlp import TileConfig
 
-    gen = torch.Generator().manual_seed(4)
-    layout = RecordLayout.build(precision, 128, 64)
+    gen = torch.Generator().manual_seed(seed)
+    layout = RecordLayout.build(precision, hidden, inter)
     buf = make_buffer(layout, 2, gen)
-    rows, top_k = 150, 2
-    x = torch.randn(rows, 128, generator=gen).to(DEVICE, DTYPE)
-    entries = torch.arange(rows * top_k, device=DEVICE)  # entry e uses expert e % 2: 150 entries each
+    top_k = 2
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE, DTYPE)
+    entries = torch.arange(rows * top_k, device=DEVICE)
     order = torch.cat([entries[0::2], entries[1::2]])
     meta = torch.tensor([[buf[0].data_ptr(), buf[1].data_ptr()], [0, rows], [rows, rows]], device=DEVICE)
-    out = torch.full((rows * top_k, 128), float("nan"), dtype=DTYPE, device=DEVICE)
-    expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k,
-                              cfg=TileConfig(256, 64, 64, 64, 64, 8, 2, unpack, swap=swap))
+    out = torch.full((rows * top_k, hidden), float("nan"), dtype=DTYPE, device=DEVICE)
+    expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k, cfg=cfg)
     want = torch.empty_like(out)
     reference.expert_group(x, buf, [0, 1], layout, [(0, rows), (rows, 2 * rows)], order, top_k, want)
     assert not torch.isnan(out).any()
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("precision,unpack,swap", [("q4", 1, 0), ("q3", 0, 0), ("q3", 1, 0), ("q2", 1, 0), ("q4", 0, 1),
+                                                   ("q4", 1, 1), ("q3", 1, 1), ("q2", 1, 1), ("bf16", 0, 1),
+                                                   ("q4", 2, 1), ("q4", 2, 0), ("q3", 2, 1), ("q2", 2, 1)])
+def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
+    """BM 256 tiles (a whole expert's rows at 4096 tokens): one tile may hold every entry of an expert; each
+    precision's codes unpacked per code (0), per word (1) or per word in-thread (2); weights as the MMA's first
+    operand (swap) or second."""
+    from moestream.kernels.expert_mlp import TileConfig
+
+    _prefill_two_experts(precision, 128, 64, 150, TileConfig(256, 64, 64, 64, 64, 8, 2, unpack, swap=swap), 4)
 
 
 def _routed(rows: int, top_k: int, num_experts: int, gen: torch.Generator) -> tuple[torch.Tensor, list]:
@@ -279,6 +286,27 @@ def test_batches_read_entries_in_place(rows):
         expert_mlp.grouped(x, buf, part, layout, [spans[j] for j in part], order, top_k, got, phase)
     assert not torch.isnan(got).any()
     assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("precision", ["q4", "q3", "q2"])
+@pytest.mark.parametrize("swap", [0, 1])
+def test_prefill_unpacked_in_thread_over_groups(precision, swap):
+    """unpack 2 with K tiles of two groups (BK 128): each word's scale and bias are its own group's."""
+    from moestream.kernels.expert_mlp import TileConfig
+
+    _prefill_two_experts(precision, 256, 128, 24, TileConfig(64, 64, 128, 64, 128, 4, 2, 2, swap=swap), 11)
+
+
+@pytest.mark.parametrize("precision,swap", [("q4", 1), ("q4", 0), ("q2", 1), ("bf16", 1), ("q3", 1)])
+@pytest.mark.parametrize("unpack,ahead", [(1, 0), (2, 1)])
+def test_prefill_gate_and_up_joined(precision, swap, unpack, ahead):
+    """join: each gate/up tile holds BN / 2 gate rows and the same up rows (one MMA a step), over several K steps
+    and two output blocks (intermediate 64 at BN 64); Q3 falls back to separate tiles. With affine_ahead the
+    joined and down tiles load each step's scales a step ahead (192 = 3 x 64; down's 64 in one step)."""
+    from moestream.kernels.expert_mlp import TileConfig
+
+    cfg = TileConfig(64, 64, 64, 64, 64, 4, 2, unpack, swap=swap, join=1, affine_ahead=ahead)
+    _prefill_two_experts(precision, 192, 64, 40, cfg, 10)
 
 
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2"])

@@ -10,10 +10,10 @@ from moestream.kernels.triton.expert_mlp import record_base, tile_affine, weight
 @triton.jit
 def _rows(base, out, off_w, off_h, off_s, off_b, rows, code_mask, K: tl.constexpr, BITS: tl.constexpr,
           GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows `rows` of one [N, K] weight, q * s + b in fp32 rounded to bf16 (the values the fused tiles use)."""
+    """Rows `rows` of one [N, K] weight, dequantized as the fused tiles' unpack 2 does, rounded to bf16."""
     for k0 in range(0, K, BK):
         s, b = tile_affine(base, off_s, off_b, rows, k0, K, BITS, GROUP, BK)
-        w = weight_tile(base, off_w, off_h, s, b, rows, k0, code_mask, K, BITS, GROUP, BN, BK, 1)
+        w = weight_tile(base, off_w, off_h, s, b, rows, k0, code_mask, K, BITS, GROUP, BN, BK, 2)
         tl.store(out + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :], w.to(tl.bfloat16))
 
 

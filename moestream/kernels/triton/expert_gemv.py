@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moestream.kernels.triton.codes import q3_nibbles
 from moestream.kernels.triton.expert_mlp import group_affine, record_base
 from moestream.kernels.triton.launch import dependent_start
 
@@ -103,22 +104,6 @@ def _offset_of(c: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _q3_nibbles(words, high, HALF: tl.constexpr):
-    """Codes 8 * HALF .. 8 * HALF + 7 of Q3's planes (two bits each in `words`, one in `high`) as a Q4-style
-    word of nibbles, by spreading bit fields in place: ~2 ops a code, where placing each code from both planes
-    took ~6 and spilled."""
-    lo = (words >> (16 * HALF)) & 0xFFFF
-    lo = (lo | (lo << 8)) & 0x00FF00FF
-    lo = (lo | (lo << 4)) & 0x0F0F0F0F
-    lo = (lo | (lo << 2)) & 0x33333333
-    hi = (high >> (8 * HALF)) & 0xFF
-    hi = (hi | (hi << 12)) & 0x000F000F
-    hi = (hi | (hi << 6)) & 0x03030303
-    hi = (hi | (hi << 3)) & 0x11111111
-    return lo | (hi << 2)
-
-
-@triton.jit
 def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: tl.constexpr, BITS: tl.constexpr,
                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """[BN, BK // GROUP] per-group sums of W[n, k] * v[k] over columns k0..k0+BK.
@@ -138,7 +123,7 @@ def _codes_dot(words, high, base, off_s, off_b, n, vec_ptr, k0, field_mask, K: t
     offset = tl.zeros((BKW,), dtype=tl.float32)  # sum of 2**e v: what sum(f v) holds beyond sum(q v) / 2**PLACED
     pair = tl.zeros((BKW,), dtype=tl.int32)  # two bf16 values of `vec_ptr`, loaded at even codes
     for half in tl.static_range(PER // CODES):
-        placed = _q3_nibbles(words, high, half) if BITS == 3 else words
+        placed = q3_nibbles(words, high, half) if BITS == 3 else words
         for c in tl.static_range(CODES):
             code = half * CODES + c  # the code's place in its `words` word
             if vec_ptr.dtype.element_ty == tl.bfloat16:  # two values per 32-bit load

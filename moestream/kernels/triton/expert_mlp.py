@@ -9,6 +9,8 @@ the ring, or mapped pinned host memory) applied to `tile_count[t]` routing entri
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton.codes import joined_codes
+
 
 @triton.jit
 def group_affine(base, off_s, off_b, g, BITS: tl.constexpr, live=None):
@@ -75,6 +77,8 @@ def weight_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.cons
         return tl.reshape(w, (BN, BK))
     wcols = k0 // PER + tl.arange(0, BK // PER)
     words = tl.load(wptr + rows[:, None] * (K // PER) + wcols[None, :])  # [BN, BK / PER]
+    if UNPACK == 2:
+        return joined_codes(words, base, off_h, scale, bias, rows, wcols, code_mask, K, BITS, BN, BK, NG)
     fields = tl.arange(0, PER)
     codes = (words[:, :, None] >> (fields * WBITS)[None, None, :]) & code_mask  # [BN, BK / PER, PER]
     if BITS == 3:  # the high bits of word w's 16 codes are 16-bit word w of the `_h` plane (little-endian)
@@ -125,14 +129,79 @@ def _store_rows(ptr, out, rows, cols, stride, valid, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _halves(acc, SWAP: tl.constexpr):
+    """The gate and up halves of a joined tile's accumulator (its BN rows, or with SWAP its BN columns)."""
+    if SWAP:
+        BN: tl.constexpr = acc.shape[0]
+        parts = tl.permute(tl.reshape(acc, (2, BN // 2, acc.shape[1])), (1, 2, 0))
+    else:
+        BN: tl.constexpr = acc.shape[1]
+        parts = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BN // 2)), (0, 2, 1))
+    return tl.split(parts)
+
+
+@triton.jit
+def _rows_by_weight(a_ptr, a_rows, valid, base_w, base_s, off_w, off_h, off_s, off_b, w_rows, code_mask,
+                    K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr, AHEAD: tl.constexpr):
+    """The valid rows a_rows of a [*, K] activation times weight rows w_rows (codes from base_w, scales and biases
+    from base_s): [BM, BN], or with SWAP [BN, BM], in fp32. AHEAD loads each step's scales and biases a step
+    ahead: plain loads (too small for the pipeliner's async copies), each step otherwise waits for them."""
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if AHEAD:
+        s, b = tile_affine(base_s, off_s, off_b, w_rows, 0, K, BITS, GROUP, BK)
+    for k0 in range(0, K, BK):
+        if AHEAD:  # the last step reloads the first step's: harmless
+            s_next, b_next = tile_affine(base_s, off_s, off_b, w_rows, (k0 + BK) % K, K, BITS, GROUP, BK)
+        else:
+            s, b = tile_affine(base_s, off_s, off_b, w_rows, k0, K, BITS, GROUP, BK)
+        k = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + a_rows[:, None] * K + k[None, :], mask=valid[:, None], other=0.0)
+        w = weight_tile(base_w, off_w, off_h, s, b, w_rows, k0, code_mask, K, BITS, GROUP, BN, BK, UNPACK)
+        acc = _product(acc, a, w, SWAP)
+        if AHEAD:
+            s, b = s_next, b_next
+    return acc
+
+
+@triton.jit
+def _joined_gate_up(x_ptr, h_ptr, base, pos, valid, row, off_gw, off_gh, off_gs, off_gb, off_uw, off_us, code_mask,
+                    H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
+                    AHEAD: tl.constexpr):
+    """gate_up_kernel with BN / 2 gate rows and the same up rows in one [BN, BK] weight tile: one MMA a step and
+    half the accumulators, so 8 warps split the weight rows, where separate gate and up tiles (acc for both)
+    split the entries and each warpgroup dequantized the whole tile. Each row's base moves to the up fields for
+    the second half (no Q3: its high-bit plane moves by another distance)."""
+    HALF: tl.constexpr = BN // 2
+    r = tl.arange(0, BN)
+    w_rows = tl.program_id(1) * HALF + r % HALF
+    base_w = base + tl.where(r >= HALF, off_uw - off_gw, 0)[:, None]
+    base_s = base + tl.where(r >= HALF, off_us - off_gs, 0)[:, None]  # biases move as far (format.py)
+    acc = _rows_by_weight(x_ptr, row, valid, base_w, base_s, off_gw, off_gh, off_gs, off_gb, w_rows, code_mask, H,
+                          BITS, GROUP, BM, BN, BK, UNPACK, SWAP, AHEAD)
+    g, u = _halves(acc, SWAP)
+    n = tl.program_id(1) * HALF + tl.arange(0, HALF)
+    _store_rows(h_ptr, g / (1.0 + tl.exp(-g)) * u, pos, n, I, valid, SWAP)
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                    off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, code_mask,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr,
-                   SWAP: tl.constexpr):
-    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile."""
+                   SWAP: tl.constexpr, JOIN: tl.constexpr, AHEAD: tl.constexpr):
+    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile (JOIN: `_joined_gate_up`;
+    AHEAD: `_rows_by_weight`, joined tiles only)."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     row = entry // TOP_K
+    if JOIN:
+        _joined_gate_up(x_ptr, h_ptr, base, pos, valid, row, off_gw, off_gh, off_gs, off_gb, off_uw, off_us,
+                        code_mask, H, I, BITS, GROUP, BM, BN, BK, UNPACK, SWAP, AHEAD)
+        return
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     if SWAP:
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
@@ -156,18 +225,11 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                 off_dw, off_dh, off_ds, off_db, code_mask,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr):
-    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
+                AHEAD: tl.constexpr):
+    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics; AHEAD: `_rows_by_weight`)."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        k = k0 + tl.arange(0, BK)
-        h = tl.load(h_ptr + pos[:, None] * I + k[None, :], mask=valid[:, None], other=0.0)
-        ds, db = tile_affine(base, off_ds, off_db, n, k0, I, BITS, GROUP, BK)
-        d = weight_tile(base, off_dw, off_dh, ds, db, n, k0, code_mask, I, BITS, GROUP, BN, BK, UNPACK)
-        acc = _product(acc, h, d, SWAP)
+    acc = _rows_by_weight(h_ptr, pos, valid, base, base, off_dw, off_dh, off_ds, off_db, n, code_mask, I, BITS, GROUP,
+                          BM, BN, BK, UNPACK, SWAP, AHEAD)
     _store_rows(y_ptr, acc, entry, n, H, valid, SWAP)
