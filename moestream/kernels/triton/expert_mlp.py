@@ -173,9 +173,8 @@ def _joined_gate_up(x_ptr, h_ptr, base, pos, valid, row, off_gw, off_gh, off_gs,
                     BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
                     AHEAD: tl.constexpr):
     """gate_up_kernel with BN / 2 gate rows and the same up rows in one [BN, BK] weight tile: one MMA a step and
-    half the accumulators, so 8 warps split the weight rows, where separate gate and up tiles (acc for both)
-    split the entries and each warpgroup dequantized the whole tile. Each row's base moves to the up fields for
-    the second half (no Q3: its high-bit plane moves by another distance)."""
+    one accumulator, so 8 warps split the weight rows where separate gate and up tiles split the entries. Each
+    row's base moves to the up fields for the second half (no Q3: its high-bit plane moves by another distance)."""
     HALF: tl.constexpr = BN // 2
     r = tl.arange(0, BN)
     w_rows = tl.program_id(1) * HALF + r % HALF
