@@ -104,11 +104,13 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig, tail_bm: int = 0) -
                 column.append(v)
     launches = [(dataclasses.replace(cfg, bm=bm), torch.tensor(t, device="cuda")) for bm, t in tiles.items()]
     h = torch.empty(rows * top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    slots = [e for e in range(experts) if counts[e]]
+    spans = [(offsets[e], offsets[e + 1]) for e in slots]
 
     def run():
-        if cfg.dequantize_first:  # the engine's path: records to bf16 32 at a time, then the bf16 tiles
-            spans = [(offsets[e], offsets[e + 1]) for e in range(experts) if counts[e]]
-            slots = [e for e in range(experts) if counts[e]]
+        # dequantize_first runs the engine's path (records to bf16 32 at a time, then the bf16 tiles), host tables
+        # included; the fused tiles' tables are built once, above
+        if cfg.dequantize_first:
             expert_mlp.grouped(x, pool, slots, layout, spans, order, top_k, out, "prefill", cfg=cfg)
             return
         for c, meta in launches:

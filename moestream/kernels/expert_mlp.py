@@ -8,6 +8,7 @@ never depends on the residency.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -71,9 +72,8 @@ def tile_config(phase: str, layout: RecordLayout) -> TileConfig:
     bk_gate_up, bk_down = cfg.bk_gate_up, cfg.bk_down
     if phase == "prefill":
         bk_gate_up, bk_down = _fit(bk_gate_up, hidden), _fit(bk_down, inter)
-    return TileConfig(cfg.bm, _fit(cfg.bn_gate_up, inter), bk_gate_up, _fit(cfg.bn_down, hidden), bk_down,
-                      cfg.num_warps, cfg.num_stages, cfg.unpack, cfg.warps_down, cfg.stages_down, cfg.swap,
-                      cfg.masked_tail, cfg.dequantize_first, cfg.join, cfg.affine_ahead)
+    return dataclasses.replace(cfg, bn_gate_up=_fit(cfg.bn_gate_up, inter), bk_gate_up=bk_gate_up,
+                               bn_down=_fit(cfg.bn_down, hidden), bk_down=bk_down)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -154,7 +154,7 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
     hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
     bits, group, tiles = layout.bits, layout.group_size or 64, tile_addr.shape[0]
     h = torch.empty(entries.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
-    code_mask = (1 << (2 if bits == 3 else bits)) - 1 if bits < 16 else 0  # at run time: ptxas fuses it in a LOP3
+    code_mask = _code_mask(bits)
     join = int(cfg.join and _joinable(layout))
     gate_up_kernel[(tiles, inter * (1 + join) // cfg.bn_gate_up)](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
@@ -165,6 +165,12 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
         code_mask, H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down,
         UNPACK=cfg.unpack, SWAP=cfg.swap, AHEAD=cfg.affine_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _code_mask(bits: int) -> int:
+    """The mask of a code in its word plane (Q3's `_w` plane holds two bits), passed at run time so that ptxas
+    fuses it into a LOP3; 0 for bf16."""
+    return (1 << (2 if bits == 3 else bits)) - 1 if bits < 16 else 0
 
 
 @functools.cache
@@ -234,12 +240,11 @@ def dequantize_records(addr: torch.Tensor, layout: RecordLayout, out: torch.Tens
     one launch (a ring batch's host time is mostly launches)."""
     from moestream.kernels.triton.dequantize import dequantize_kernel
 
-    hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
-    have = {f.name: f.offset for f in wide.fields}
+    hidden, inter, o, have = layout.hidden_size, layout.intermediate_size, _offsets(layout), _offsets(wide)
     bn = _fit(32, math.gcd(hidden, inter))
     dequantize_kernel[(addr.shape[0], (2 * inter + hidden) // bn)](
         addr, out, out.stride(0), *(o[f"{p}_{f}"] for p in ("gate", "up", "down") for f in "whsb"),
-        have["gate_w"], have["up_w"], have["down_w"], (1 << (2 if layout.bits == 3 else layout.bits)) - 1,
+        have["gate_w"], have["up_w"], have["down_w"], _code_mask(layout.bits),
         H=hidden, I=inter, BITS=layout.bits, GROUP=layout.group_size or 64, BN=bn, BK_H=_fit(256, hidden),
         BK_I=_fit(256, inter), num_warps=4)
 
