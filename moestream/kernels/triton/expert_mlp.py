@@ -58,10 +58,19 @@ def weight_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.cons
 
     UNPACK 0 loads each code's word (the repeats hit L1); UNPACK 1 loads each word once and splits it
     with a reshape. Which is faster is measured per GPU (benchmarks/bench_kernels.py)."""
-    cols = k0 + tl.arange(0, BK)
-    if BITS == 16:
+    if BITS == 16:  # an if/else: the compiler goes on past a constexpr branch's return
         ptr = (base + off_w).to(tl.pointer_type(tl.bfloat16))
-        return tl.load(ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
+        w = tl.load(ptr + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :]).to(tl.float32)
+    else:
+        w = _coded_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K, BITS, GROUP, BN, BK, UNPACK)
+    return w
+
+
+@triton.jit
+def _coded_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.constexpr, BITS: tl.constexpr,
+                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
+    """`weight_tile` for Q4 / Q3 / Q2 codes."""
+    cols = k0 + tl.arange(0, BK)
     NG: tl.constexpr = BK // GROUP if BK > GROUP else 1
     WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
     PER: tl.constexpr = 32 // WBITS  # `code_mask` = (1 << WBITS) - 1
