@@ -83,8 +83,7 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, spl
     return result
 
 
-def prefill_case(layout, pool, rows, top_k, cfg: TileConfig, tail_bm: int = 0) -> dict:
-    """With `tail_bm`, an expert's last tile of at most `tail_bm` entries goes in a second launch of that height."""
+def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
     experts, gen = pool.shape[0], torch.Generator("cuda").manual_seed(0)  # the same problem for every config
     ids = torch.rand(rows, experts, device="cuda", generator=gen).argsort(dim=1)[:, :top_k]
     flat = ids.reshape(-1)
@@ -95,24 +94,13 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig, tail_bm: int = 0) -
         offsets.append(offsets[-1] + c)
     x = torch.randn(rows, layout.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     out = torch.empty(rows * top_k, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
-    tiles = {}  # tile height: [addr, start, count]
-    for e in range(experts):
-        for m0 in range(offsets[e], offsets[e + 1], cfg.bm):
-            n = min(cfg.bm, offsets[e + 1] - m0)
-            table = tiles.setdefault(tail_bm if n <= tail_bm else cfg.bm, [[], [], []])
-            for column, v in zip(table, (pool[e].data_ptr(), m0, n)):
-                column.append(v)
-    launches = [(dataclasses.replace(cfg, bm=bm), torch.tensor(t, device="cuda")) for bm, t in tiles.items()]
     h = torch.empty(rows * top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
     slots = [e for e in range(experts) if counts[e]]
     spans = [(offsets[e], offsets[e + 1]) for e in slots]
+    tiles = expert_mlp.prefill_tiles(spans, [pool[e].data_ptr() for e in slots], cfg)
+    launches = [(c, torch.tensor(t, device="cuda")) for c, t in tiles.items()]
 
     def run():
-        # dequantize_first runs the engine's path (records to bf16 32 at a time, then the bf16 tiles), host tables
-        # included; the fused tiles' tables are built once, above
-        if cfg.dequantize_first:
-            expert_mlp.grouped(x, pool, slots, layout, spans, order, top_k, out, "prefill", cfg=cfg)
-            return
         for c, meta in launches:
             expert_mlp.launch_prefill(x, out, order, meta[0], meta[1], meta[2], layout, top_k, h=h, cfg=c)
     seconds = cuda_time(run, iters=20)
@@ -128,11 +116,11 @@ RING_BATCH = ExpertConfig.ring_group
 RING_BATCHES = QWEN3_30B["experts"] // RING_BATCH
 
 
-def prefill_cases(layout, pool, cfg: TileConfig, tail_bm: int = 0) -> list[dict]:
+def prefill_cases(layout, pool, cfg: TileConfig) -> list[dict]:
     """A resident layer (4096 rows over 128 experts) and one ring batch (every row of 256 on each of its experts)."""
     g = QWEN3_30B
-    return [prefill_case(layout, pool[: g["experts"]], 4096, g["top_k"], cfg, tail_bm),
-            prefill_case(layout, pool[:RING_BATCH], 256, RING_BATCH, cfg, tail_bm)]
+    return [prefill_case(layout, pool[: g["experts"]], 4096, g["top_k"], cfg),
+            prefill_case(layout, pool[:RING_BATCH], 256, RING_BATCH, cfg)]
 
 
 def prefill_score(runs: list[dict]) -> float:
@@ -203,11 +191,6 @@ def decode_configs(quick: bool):
 # of shared memory); then the runners-up of the session-11 sweep; then swapped tiles (weights as the MMA's
 # register operand; compiled here, 256 entries x 64 weight rows issue ~0.6x the instructions per MAC of the best
 # unswapped tile, at ~245 registers: one CTA an SM).
-# Ahead of them, records dequantized to bf16 records first and the bf16 tiles run on them (dequantize_first; the
-# other fields are unused): the fused tiles serialise dequantization and MMA in each K step at ~21% of dense, the
-# bf16 tiles run at 41-43%, and the dequantization is memory-bound (~0.4 ms a resident 30B layer: 0.34 GB read,
-# 1.2 GB written). Measured (kernels v13): resident 1.70 against the fused 1.95 ms, but a ring batch 0.47 against
-# 0.23, so it loses the score and stays off.
 # First of all, codes unpacked in the thread that loaded their word (unpack 2): with unpack 1 Triton spread each
 # word's codes over the lanes, so each thread unpacked one code per word and loaded a scale per code. Offline
 # sm_90, the committed swapped tiles, instructions a warp a K step: gate/up 557 -> 336, down 506 -> 276; scale
@@ -219,7 +202,6 @@ PREFILL_FIRST = [TileConfig(256, 64, 64, 128, 64, 8, 3, 2, swap=1),
                  TileConfig(256, 128, 64, 128, 64, 8, 3, 2, swap=1, join=1),
                  TileConfig(256, 128, 64, 128, 64, 8, 3, 2, swap=1, join=1, affine_ahead=1),
                  TileConfig(256, 64, 64, 128, 64, 8, 2, 2, swap=1), TileConfig(256, 64, 64, 64, 64, 8, 3, 2),
-                 TileConfig(256, 64, 64, 128, 64, 8, 3, 1, dequantize_first=1),
                  TileConfig(256, 128, 64, 128, 64, 8, 3, 1, swap=1, join=1),
                  TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
                  TileConfig(256, 32, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 16, 3, 1),
@@ -298,19 +280,21 @@ def main() -> None:
                                            "composed": True})
             scored.sort(key=lambda t: -t[0])
             score, cfg, r = scored[0]
+            if phase == "prefill" and cfg.bm >= 128:
+                # ~256 entries an expert leave half the experts a last tile of ~15 at full height: BM 256 computes
+                # 67% useful rows; those tails at BM / 4 (a launch of their own) bring it to ~89%
+                tailed = dataclasses.replace(cfg, tail_bm=0 if cfg.tail_bm else cfg.bm // 4)
+                tails = prefill_cases(layout, pool, tailed)
+                err = _error([x.pop("out").float() for x in tails], first)
+                print(f"{precision} prefill with tail_bm {tailed.tail_bm}: resident {tails[0]['ms']:.3f} ms "
+                      f"(tail_bm {cfg.tail_bm}: {r[0]['ms']:.3f}), ring batch {tails[1]['ms']:.3f} "
+                      f"({r[1]['ms']:.3f}), error {err:.2g}")
+                results["prefill"].append({"precision": precision, "config": dataclasses.asdict(tailed), "runs": tails})
+                if err <= 2e-2 and prefill_score(tails) > score:
+                    score, cfg, r = prefill_score(tails), tailed, tails
             # low-bit experts exist for streaming: their decode tiles are chosen by how they read the host tier
             if phase != "decode" or (layout.bits in (2, 3)) == args.host:
                 best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
-            if phase == "prefill" and cfg.bm >= 128 and not cfg.dequantize_first:
-                # ~256 entries an expert leave half the experts a last tile of ~15 at full height: BM 256 computes
-                # 67% useful rows; those tails at BM / 4 (a launch of their own) bring it to ~89%
-                tails = prefill_cases(layout, pool, cfg, tail_bm=cfg.bm // 4)
-                err = _error([x.pop("out").float() for x in tails], first)
-                print(f"{precision} prefill with tails at bm {cfg.bm // 4}: resident {tails[0]['ms']:.3f} ms "
-                      f"(without {r[0]['ms']:.3f}), ring batch {tails[1]['ms']:.3f} ({r[1]['ms']:.3f}), "
-                      f"error {err:.2g}")
-                results["prefill"].append({"precision": precision, "config": dataclasses.asdict(cfg), "runs": tails,
-                                           "tail_bm": cfg.bm // 4})
             for x in r if phase == "decode" else ():  # where the best tiles' time goes: each kernel alone
                 print(f"{precision} decode, {x['rows']} rows: {x['us']:.1f} us a step; kernels alone: "
                       + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in x.items() if k.endswith("_us")))
@@ -321,14 +305,20 @@ def main() -> None:
                 else:
                     table.append([precision, phase, f"{x['rows']} x {x['experts']} experts", f"{x['ms']:.2f} ms",
                                   f"{x['tflops']:.0f} TFLOP/s", f"{x['tflops'] / mm:.0%} of dense bf16"])
-    # Q3/Q2 prefill: their own tiles so far against Q4's best (Q2 can split words whole, as Q4 does)
+    # Q3/Q2 prefill: their own tiles so far against Q4's best (Q2 can split words whole, as Q4 does), and Q4's
+    # best unjoined for Q3, which cannot join (at BN 128 its separate tiles ran 2.32 ms against Q4's joined 1.10)
     for precision in ("q3", "q2") if "prefill" in args.phases and "prefill/bits4" in best else ():
         layout = RecordLayout.build(precision, g["hidden"], g["inter"])
         pool = random_pool(layout, g["experts"])
+        q4 = TileConfig(**best["prefill/bits4"])
+        unjoined = dataclasses.replace(q4, join=0, bn_gate_up=q4.bn_gate_up // 2) if q4.join else q4
         runs = [(prefill_cases(layout, pool, cfg), cfg)
-                for cfg in (expert_mlp.tile_config("prefill", layout), TileConfig(**best["prefill/bits4"]))]
-        a, b = ([x.pop("out").float() for x in r] for r, _ in runs)
-        r, cfg = max(runs, key=lambda rc: prefill_score(rc[0])) if _error(b, a) < 2e-2 else runs[0]
+                for cfg in dict.fromkeys((expert_mlp.tile_config("prefill", layout), q4, unjoined))]
+        outs = [[x.pop("out").float() for x in r] for r, _ in runs]
+        runs = [run for run, o in zip(runs, outs) if _error(o, outs[0]) < 2e-2]
+        for r, cfg in runs:
+            print(f"{precision} prefill {cfg}: resident {r[0]['ms']:.3f} ms, ring batch {r[1]['ms']:.3f} ms")
+        r, cfg = max(runs, key=lambda rc: prefill_score(rc[0]))
         best[f"prefill/bits{layout.bits}"] = dataclasses.asdict(cfg)
         results["prefill"].append({"precision": precision, "config": dataclasses.asdict(cfg), "runs": r})
         table += [[precision, "prefill", f"{x['rows']} x {x['experts']} experts", f"{x['ms']:.2f} ms",

@@ -26,9 +26,8 @@ KERNELS = {
                             TAIL2=0)),
     "decode-down": ("expert_gemv", "down_gemv_kernel",
                     dict(BN=16, BK=1024, SPAN=0, AHEAD=0, PDL=0, INDIRECT=1, SELECT=0, TAIL1=512, TAIL2=256)),
-    "dequantize": ("dequantize", "dequantize_kernel", dict(BN=32, BK_H=256, BK_I=256)),
 }
-POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*u8"}  # the rest: *i64 tables
+POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16"}  # the rest: *i64 tables
 
 
 def compile_sm90(kernel: str, constants: dict, warps: int, stages: int):

@@ -82,15 +82,6 @@ def expert_weights(record: torch.Tensor, layout: RecordLayout, dtype: torch.dtyp
                  for p in ("gate", "up", "down"))
 
 
-def dequantized_records(records: list[torch.Tensor], layout: RecordLayout, wide: RecordLayout,
-                        out: torch.Tensor) -> None:
-    """Records of `layout` -> bf16 records of `wide` (the same geometry) in out[:len(records)]."""
-    for record, row in zip(records, out):
-        v = wide.views(row)
-        for p, w in zip(("gate", "up", "down"), expert_weights(record, layout, torch.bfloat16)):
-            v[f"{p}_w"].copy_(w)
-
-
 def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
                  spans: list[tuple[int, int]], order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
     """Experts `slots[j]` (records in `buffer`) over their rows; writes each (row, k) output once.
