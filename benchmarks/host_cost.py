@@ -48,7 +48,12 @@ def main() -> None:
     cfg = expert_mlp.tile_config("prefill", provider.layout)
     batches = list(provider.batches(0, ids, x))
     grouping = _us(lambda: group_by_expert(ids, g.num_experts))
-    decisions = _us(lambda: list(provider.batches(0, ids, x))) - grouping
+    step = group_by_expert(ids, g.num_experts)
+
+    def decide():  # `batches` less its grouping
+        provider.pool.new_step()
+        list(provider._ring_path(0, step, {}))
+    decisions = _us(decide)
     tiles = _us(lambda: [expert_mlp.prefill_tiles(b.spans, [b.buffer.data_ptr() + s * b.buffer.stride(0)
                                                             for s in b.slots], cfg) for b in batches])
     print(f"{args.rows} rows, {len(batches)} batch(es) of {[len(b.slots) for b in batches]} experts, us a layer: "

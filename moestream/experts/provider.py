@@ -178,9 +178,11 @@ class StreamingProvider(GraphMode, RingPath):
     def _wait(self, layer: int, slots: list[int], futures: list) -> None:
         """Block until the fetches are enqueued, then make the compute stream wait for their copies."""
         start = time.perf_counter()
-        for f in futures:
+        for s, f in zip(slots, futures):
             if f is not None:
                 f.result(timeout=self.cfg.io_timeout_s)
+                if self.pool.pending[s] is f:  # settled: later steps skip it (a resident's hit needs no future)
+                    self.pool.pending[s] = None
         waited = time.perf_counter() - start
         if waited > 1e-4:
             self.stats.at(layer, self.cfg.precision).io_wait_seconds += waited
