@@ -83,22 +83,22 @@ def _traced(path: str | None):
 
 def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0,
                  warm: bool = False, trace: str | None = None, ring_group: int = ExpertConfig.ring_group,
-                 ring_lookahead: bool = ExpertConfig.ring_lookahead) -> list[dict]:
+                 ring_lookahead: bool = ExpertConfig.ring_lookahead, in_place: bool = False) -> list[dict]:
     """With `warm`, each prompt runs once first so the host tier holds what the measured run misses; with
-    `trace` (a folder), the measured run's timeline is saved there."""
+    `trace` (a folder), the measured run's timeline is saved there; `in_place`: ExpertConfig.prefill_in_place."""
     s = open_store(store)
     total_gb = s.manifest.geometry.num_records * s.manifest.layouts["q4"].stride / 1e9
     rows = []
     for frac in fracs:
         llm = LLM(store, device="cuda", pool_gb=total_gb * frac, host_gb=host_gb, profile=True, preload=False,
-                  ring_group=ring_group, ring_lookahead=ring_lookahead)
+                  ring_group=ring_group, ring_lookahead=ring_lookahead, prefill_in_place=in_place)
         for n in lengths:
             ids = prompt(n, llm.config.vocab_size, seed=n)
             if warm:
                 llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
             start = time.perf_counter()
-            trace_path = trace and os.path.join(trace, f"prefill-{frac:g}-{n}-g{ring_group}"
-                                                       f"{'-early' if ring_lookahead else ''}.json")
+            name = f"prefill-{frac:g}-{n}-g{ring_group}{'-early' if ring_lookahead else ''}"
+            trace_path = trace and os.path.join(trace, f"{name}{'-in-place' if in_place else ''}.json")
             with _traced(trace_path):
                 out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
             wall = time.perf_counter() - start
@@ -110,7 +110,7 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
             host = sum(t["host_s"] for t in timings)
             reads = {tier: e["reads"][tier]["bytes"] / 1e9 for tier in ("disk", "host")}
             # the engine's prefill time (what the suite reports), and generate()'s wall around it
-            rows.append({"pool_frac": frac, "host_gb": host_gb, "ring_group": ring_group,
+            rows.append({"pool_frac": frac, "host_gb": host_gb, "ring_group": ring_group, "in_place": in_place,
                          "ring_lookahead": ring_lookahead, "prompt": n,
                          "prefill_tok_s": out.stats["timings"]["prefill_tok_s"], "generate_seconds": wall,
                          "disk_gb": reads["disk"], "host_read_gb": reads["host"],
@@ -139,6 +139,8 @@ def main() -> None:
                    help="prefill: experts per ring batch, one run each (e.g. 8,16)")
     p.add_argument("--ring-lookahead", default="on" if ExpertConfig.ring_lookahead else "off",
                    help="prefill: the next layer's ring fetched early: off, on, or off,on (one run each)")
+    p.add_argument("--in-place", default="off", help="prefill: tiles built on the GPU when the whole model is in "
+                   "the pool (ExpertConfig.prefill_in_place): off, on, or off,on (one run each)")
     args = p.parse_args()
     data, table = {}, []
     if args.decode:
@@ -147,11 +149,13 @@ def main() -> None:
                   for r in data["decode"]]
     if args.prefill:
         data["prefill"] = [r for early in args.ring_lookahead.split(",") for group in args.ring_groups.split(",")
+                           for place in args.in_place.split(",")
                            for r in prefill_runs(args.store, [float(f) for f in args.fracs.split(",")],
                                                  [int(n) for n in args.lengths.split(",")], args.host_gb, args.warm,
-                                                 out_dir("e2e") if args.trace else None, int(group), early == "on")]
+                                                 out_dir("e2e") if args.trace else None, int(group), early == "on",
+                                                 place == "on")]
         table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens, group {r['ring_group']}"
-                   f"{', early ring' if r['ring_lookahead'] else ''}",
+                   f"{', early ring' if r['ring_lookahead'] else ''}{', in place' if r['in_place'] else ''}",
                    f"{r['prefill_tok_s']:.0f} tok/s",
                    f"copy {r['copy_s']:.2f} s, compute {r['compute_s']:.2f} s, wall {r['expert_wall_s']:.2f} s, "
                    f"host {r['host_s']:.2f} s",

@@ -89,6 +89,35 @@ class GraphMode:
             return None
         return self.layouts[self.miss_precision], self._record_bits[layer]
 
+    def in_place_table(self, layer: int, rows: int) -> torch.Tensor | None:
+        """Layer `layer`'s device addresses by expert id when a prefill step of `rows` reads every expert in place
+        (`prefill_in_place`, the whole model in the pool at one precision), else None."""
+        g = self.geometry
+        if not (self.cfg.prefill_in_place and rows >= self.cfg.prefill_min_rows and self.pool.resident == g.num_records
+                and self.miss_precision == self.cfg.precision):
+            return None
+        table = self.address_table()
+        return None if table is None else table[layer]
+
+    def count_in_place(self, layer: int, counts: torch.Tensor) -> None:
+        """Note an in-place prefill step by its entries per expert (device), counted by `flush_addressed` as the
+        ring path counts: each expert used is a lookup and a hit."""
+        self.stats.at(layer, self.cfg.precision).prefill_steps += 1
+        self._in_place.append((layer, counts))
+        if len(self._in_place) >= 256:
+            self.flush_addressed()
+
+    def _flush_in_place(self) -> None:
+        used = (torch.stack([c for _, c in self._in_place]) > 0).cpu().tolist()
+        precision, stride = self.cfg.precision, self.layout.stride
+        for (layer, _), row in zip(self._in_place, used):
+            n, c = sum(row), self.stats.at(layer, precision)
+            c.lookups += n
+            c.hits += n
+            self.stats.read(layer, precision, "gpu", n * stride, records=n)
+            self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], row)]
+        self._in_place = []
+
     def count_addressed(self, routed: torch.Tensor) -> None:
         """Note a decode step that read its records by address (a graph replay sees no provider): `routed`
         [num_layers, top_k] are its expert ids. Counted in bulk by `flush_addressed`, so the step never waits."""
@@ -100,6 +129,8 @@ class GraphMode:
         """Count the noted steps against the current residency; runs before residency can change (the next
         provider step) and before the counters are read. A pool record is a hit; any other is a miss read in
         place from the host tier, as the address table points."""
+        if self._in_place:
+            self._flush_in_place()
         if not self._addressed:
             return
         ids = torch.stack(self._addressed).cpu().sort(-1).values  # [steps, layers, top_k]

@@ -59,6 +59,7 @@ class StreamingProvider(GraphMode, RingPath):
         self._addresses, self._record_bits, self._table_state = None, None, None  # graph mode (graphmode.py)
         self._table_evictions = 0
         self._addressed: list[torch.Tensor] = []  # expert ids of graph-mode steps not counted yet
+        self._in_place: list[tuple[int, torch.Tensor]] = []  # (layer, entries per expert) of in-place prefills
 
     def attach(self, routers: dict[int, torch.Tensor]) -> None:
         self.routers = routers

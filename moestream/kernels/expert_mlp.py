@@ -144,9 +144,10 @@ def _chunks(k: int, bk: int, masked_tail: int) -> dict:
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
                    tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, top_k: int,
-                   h: torch.Tensor | None = None, cfg: TileConfig | None = None) -> None:
+                   h: torch.Tensor | None = None, cfg: TileConfig | None = None, sparse: bool = False) -> None:
     """Tile i: up to `bm` entries entries[tile_start[i]:][:tile_count[i]] of the expert at tile_addr[i], as
-    tensor-core GEMMs over dequantized weight tiles. x [T, H]; out [T * top_k, H]."""
+    tensor-core GEMMs over dequantized weight tiles. x [T, H]; out [T * top_k, H]. `sparse`: tiles of no entries
+    may follow the last (their programs exit)."""
     from moestream.kernels.triton.expert_mlp import down_kernel, gate_up_kernel
 
     cfg = cfg or tile_config("prefill", layout)
@@ -159,11 +160,47 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
         o["up_w"], o["up_h"], o["up_s"], o["up_b"], code_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits,
         GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, SWAP=cfg.swap, JOIN=join,
-        AHEAD=cfg.affine_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        AHEAD=cfg.affine_ahead, SPARSE=sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
         code_mask, H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down,
-        UNPACK=cfg.unpack, SWAP=cfg.swap, AHEAD=cfg.affine_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UNPACK=cfg.unpack, SWAP=cfg.swap, AHEAD=cfg.affine_ahead, SPARSE=sparse, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+
+
+def grouped_in_place(x: torch.Tensor, addresses: torch.Tensor, ids: torch.Tensor, layout: RecordLayout,
+                     top_k: int, out: torch.Tensor, cfg: TileConfig | None = None) -> torch.Tensor:
+    """Prefill with every expert of the layer in place at `addresses` (its device table by expert id): the
+    grouping and the tile tables are built on the device, so the host never waits for the routing. The tiles are
+    `grouped`'s (the same bits). ids [T, top_k]; returns the entries per expert (on the device)."""
+    cfg = cfg or tile_config("prefill", layout)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=addresses.shape[0])
+    for tiles_cfg, (addr, start, count) in device_tiles(counts, addresses, flat.shape[0], cfg):
+        launch_prefill(x, out, order, addr, start, count, layout, top_k, cfg=tiles_cfg, sparse=True)
+    return counts
+
+
+def device_tiles(counts: torch.Tensor, addresses: torch.Tensor, entries: int, cfg: TileConfig) -> list:
+    """`prefill_tiles` for experts in id order, from their device counts: [(config, (addr, start, count))], each
+    table as long as the most tiles `entries` can make (entries // bm, plus a partial tile an expert), with
+    empty tiles after the last."""
+    bm, tail_bm, experts = cfg.bm, cfg.tail_bm, counts.shape[0]
+    offsets, full, rest = torch.cumsum(counts, 0) - counts, counts // bm, counts % bm
+    whole = rest > tail_bm  # a last tile at full height: every partial one without tails
+    parts = [(cfg, full + whole, torch.zeros_like(full), entries // bm + experts)]
+    if tail_bm:
+        parts.append((dataclasses.replace(cfg, bm=tail_bm), ((rest > 0) & ~whole).long(), full, experts))
+    out = []
+    for tiles_cfg, per_expert, skip, room in parts:
+        ends = torch.cumsum(per_expert, 0)
+        index = torch.arange(room, device=counts.device)
+        expert = torch.searchsorted(ends, index, right=True).clamp_(max=experts - 1)
+        first = (skip[expert] + index - (ends[expert] - per_expert[expert])) * bm
+        count = (counts[expert] - first).clamp_(0, tiles_cfg.bm) * (index < ends[-1])
+        out.append((tiles_cfg, (addresses[expert], offsets[expert] + first, count)))
+    return out
 
 
 def _code_mask(bits: int) -> int:

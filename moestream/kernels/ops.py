@@ -115,6 +115,15 @@ def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout
         reference.expert_group(x, buffer, slots, layout, spans, order, top_k, out)
 
 
+def expert_group_in_place(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, layout: RecordLayout,
+                          top_k: int, out: torch.Tensor) -> torch.Tensor:
+    """Every expert of a prefill step in place at device addresses `table` (by expert id), grouped on the device
+    (`expert_mlp.grouped_in_place`; CUDA only, as graph mode); returns the entries per expert, on the device."""
+    from moestream.kernels import expert_mlp
+
+    return expert_mlp.grouped_in_place(x, table, ids, layout, top_k, out)
+
+
 def expert_entries(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, layout: RecordLayout, top_k: int,
                    out: torch.Tensor, low_bit: tuple[RecordLayout, torch.Tensor] | None = None) -> None:
     """Routing entry e = row * top_k + k computed with the record at device address `table[ids[e]]`; mixed

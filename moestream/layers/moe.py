@@ -34,6 +34,9 @@ class SparseMoE(nn.Module):
         if addresses is not None:
             ops.expert_entries(x, addresses, ids.reshape(-1), self.provider.layout, self.top_k, y,
                                self.provider.addressed_low_bit(self.layer_slot))
+        elif (table := self.provider.in_place_table(self.layer_slot, t)) is not None:
+            counts = ops.expert_group_in_place(x, table, ids, self.provider.layout, self.top_k, y)
+            self.provider.count_in_place(self.layer_slot, counts)
         else:
             for b in self.provider.batches(self.layer_slot, ids, x):
                 ops.expert_group(x, b.buffer, b.slots, b.layout, b.spans, b.order, self.top_k, y)

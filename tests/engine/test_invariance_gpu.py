@@ -37,6 +37,10 @@ CUBLAS_SETTINGS = [dict(SETTINGS[0], env=CUBLAS), dict(pool_gb="min", env=CUBLAS
                    dict(pool_gb="half", host_gb=0.01, env=CUBLAS)]
 
 
+# prefill with the whole model in the pool, its grouping and tiles built on the GPU (prefill_in_place)
+IN_PLACE_SETTINGS = [SETTINGS[0], dict(pool_gb=None, prefill_in_place=True), dict(pool_gb="min")]
+
+
 @pytest.mark.parametrize("model_type", [*MODEL_TYPES, "qwen4_exp_static"])
 def test_gpu_same_tokens_and_logits_for_every_setting(tiny, tmp_path, model_type, monkeypatch):
     _same_for_every_setting(tiny, tmp_path, model_type, SETTINGS, monkeypatch)
@@ -55,6 +59,17 @@ def test_gpu_opt_in_kernels_keep_tokens_and_logits(tiny, tmp_path, model_type, m
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_gpu_cublas_projections_keep_tokens_and_logits(tiny, tmp_path, model_type, monkeypatch):
     _same_for_every_setting(tiny, tmp_path, model_type, CUBLAS_SETTINGS, monkeypatch)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_gpu_prefill_in_place_keeps_tokens_and_logits(tiny, tmp_path, model_type, monkeypatch):
+    from moestream.kernels import ops
+
+    calls = []
+    in_place = ops.expert_group_in_place
+    monkeypatch.setattr(ops, "expert_group_in_place", lambda *a: calls.append(1) or in_place(*a))
+    _same_for_every_setting(tiny, tmp_path, model_type, IN_PLACE_SETTINGS, monkeypatch)
+    assert calls  # the in-place setting's prefill took the path
 
 
 def _same_for_every_setting(tiny, tmp_path, model_type, settings, monkeypatch):

@@ -118,6 +118,26 @@ def test_steps_read_by_address_are_counted(tiny):
         llm.close()
 
 
+def test_prefill_steps_read_in_place_are_counted_as_the_ring_counts(tiny):
+    """An in-place prefill step (tiles built on the GPU) hands its entries per expert to count later: each expert
+    used is a lookup, a hit and a pool read, as the ring path counts them."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    try:
+        llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=1))
+        g, layer = llm.provider.geometry, 1
+        counts = torch.zeros(g.num_experts, dtype=torch.int64)
+        counts[[0, 3, 5]] = torch.tensor([7, 1, 40])
+        before, uses = llm.stats()["layers"][layer]["q4"], list(llm.provider.stats.expert_uses[layer])
+        llm.provider.count_in_place(layer, counts)
+        after = llm.stats()["layers"][layer]["q4"]
+        _check_totals(after)
+        assert [after[k] - before[k] for k in ("lookups", "hits", "misses", "prefill_steps")] == [3, 3, 0, 1]
+        assert after["reads"]["gpu"]["records"] - before["reads"]["gpu"]["records"] == 3
+        assert [b - a for a, b in zip(uses, llm.provider.stats.expert_uses[layer])] == (counts > 0).long().tolist()
+    finally:
+        llm.close()
+
+
 def test_a_request_counts_its_own_steps_read_by_address(tiny):
     """Steps noted before a request belong to the earlier request, not to the next one's counts."""
     import torch

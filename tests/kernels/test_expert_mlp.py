@@ -318,6 +318,36 @@ def test_prefill_tails_in_a_launch_of_their_own(precision):
     assert (got[1].float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
+@pytest.mark.parametrize("precision", ["q4", "bf16"])
+@pytest.mark.parametrize("tail_bm", [0, 16])
+def test_prefill_tables_built_in_place(precision, tail_bm):
+    """grouped_in_place (the grouping and tile tables built on the device from the routing, for experts in place
+    at a table of addresses) gives what the host's grouping gives, bit for bit: the same tiles; an expert no
+    row chose, and tiles past the last, compute nothing."""
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(13)
+    layout = RecordLayout.build(precision, 128, 64)
+    rows, top_k, num_experts = 100, 2, 7  # expert 6 gets no rows
+    ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(rows)]).to(DEVICE)
+    x = torch.randn(rows, 128, generator=gen).to(DEVICE, DTYPE)
+    buf = make_buffer(layout, num_experts, gen)
+    addresses = torch.tensor([buf[e].data_ptr() for e in range(num_experts)], device=DEVICE)
+    cfg = TileConfig(32, 64, 64, 64, 64, 4, 2, 2, swap=1, tail_bm=tail_bm)
+    got = torch.full((rows * top_k, 128), float("nan"), dtype=DTYPE, device=DEVICE)
+    counts = expert_mlp.grouped_in_place(x, addresses, ids, layout, top_k, got, cfg=cfg)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    ends = torch.cumsum(counts, 0).tolist()
+    spans = [(end - c, end) for end, c in zip(ends, counts.tolist()) if c]
+    used = [e for e, c in enumerate(counts.tolist()) if c]
+    assert used == list(range(6))
+    want = torch.full_like(got, float("nan"))
+    expert_mlp.grouped(x, buf, used, layout, spans, order, top_k, want, "prefill", cfg=cfg)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2"])
 @pytest.mark.parametrize("swap", [0, 1])
 def test_prefill_unpacked_in_thread_over_groups(precision, swap):

@@ -201,9 +201,12 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
                    off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, code_mask,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr,
-                   SWAP: tl.constexpr, JOIN: tl.constexpr, AHEAD: tl.constexpr):
+                   SWAP: tl.constexpr, JOIN: tl.constexpr, AHEAD: tl.constexpr, SPARSE: tl.constexpr):
     """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile (JOIN: `_joined_gate_up`;
-    AHEAD: `_rows_by_weight`, joined tiles only)."""
+    AHEAD: `_rows_by_weight`, joined tiles only; SPARSE: tiles of no entries may follow the last, and exit)."""
+    if SPARSE:
+        if tl.load(tile_count_ptr + tl.program_id(0)) == 0:
+            return
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     row = entry // TOP_K
     if JOIN:
@@ -234,8 +237,12 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
                 off_dw, off_dh, off_ds, off_db, code_mask,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
-                AHEAD: tl.constexpr):
-    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics; AHEAD: `_rows_by_weight`)."""
+                AHEAD: tl.constexpr, SPARSE: tl.constexpr):
+    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics; AHEAD: `_rows_by_weight`;
+    SPARSE as gate_up_kernel's)."""
+    if SPARSE:
+        if tl.load(tile_count_ptr + tl.program_id(0)) == 0:
+            return
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     acc = _rows_by_weight(h_ptr, pos, valid, base, base, off_dw, off_dh, off_ds, off_db, n, code_mask, I, BITS, GROUP,
