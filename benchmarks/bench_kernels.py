@@ -98,7 +98,7 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
     slots = [e for e in range(experts) if counts[e]]
     spans = [(offsets[e], offsets[e + 1]) for e in slots]
     tiles = expert_mlp.prefill_tiles(spans, [pool[e].data_ptr() for e in slots], cfg)
-    launches = [(c, torch.tensor(t, device="cuda")) for c, t in tiles.items()]
+    launches = [(c, torch.tensor(t, device="cuda")) for c, t in tiles]
 
     def run():
         for c, meta in launches:
@@ -282,7 +282,8 @@ def main() -> None:
             score, cfg, r = scored[0]
             if phase == "prefill" and cfg.bm >= 128:
                 # ~256 entries an expert leave half the experts a last tile of ~15 at full height: BM 256 computes
-                # 67% useful rows; those tails at BM / 4 (a launch of their own) bring it to ~89%
+                # 67% useful rows; those tails at BM / 4 (a launch of their own) bring it to ~89% (kernels v16:
+                # a resident Q4 layer 1.10 -> 0.95 ms)
                 tailed = dataclasses.replace(cfg, tail_bm=0 if cfg.tail_bm else cfg.bm // 4)
                 tails = prefill_cases(layout, pool, tailed)
                 err = _error([x.pop("out").float() for x in tails], first)
@@ -306,7 +307,8 @@ def main() -> None:
                     table.append([precision, phase, f"{x['rows']} x {x['experts']} experts", f"{x['ms']:.2f} ms",
                                   f"{x['tflops']:.0f} TFLOP/s", f"{x['tflops'] / mm:.0%} of dense bf16"])
     # Q3/Q2 prefill: their own tiles so far against Q4's best (Q2 can split words whole, as Q4 does), and Q4's
-    # best unjoined for Q3, which cannot join (at BN 128 its separate tiles ran 2.32 ms against Q4's joined 1.10)
+    # best unjoined for Q3, which cannot join (kernels v16: at Q4's joined tiles its separate ones of BN 128 ran
+    # 3.62 ms a resident layer, unjoined at BN 64 1.50)
     for precision in ("q3", "q2") if "prefill" in args.phases and "prefill/bits4" in best else ():
         layout = RecordLayout.build(precision, g["hidden"], g["inter"])
         pool = random_pool(layout, g["experts"])
