@@ -191,7 +191,7 @@ def device_tiles(counts: torch.Tensor, addresses: torch.Tensor, entries: int, cf
     whole = rest > tail_bm  # a last tile at full height: every partial one without tails
     parts = [(cfg, full + whole, torch.zeros_like(full), entries // bm + experts)]
     if tail_bm:
-        parts.append((dataclasses.replace(cfg, bm=tail_bm), ((rest > 0) & ~whole).long(), full, experts))
+        parts.append((_tails_of(cfg), ((rest > 0) & ~whole).long(), full, experts))
     out = []
     for tiles_cfg, per_expert, skip, room in parts:
         ends = torch.cumsum(per_expert, 0)
@@ -253,8 +253,13 @@ def prefill_tiles(spans: list[tuple[int, int]], addrs: list[int], cfg: TileConfi
             table[2].append(n)
     out = [(cfg, list(full))] if full[0] else []
     if tails[0]:
-        out.append((dataclasses.replace(cfg, bm=tail_bm), list(tails)))
+        out.append((_tails_of(cfg), list(tails)))
     return out
+
+
+@functools.cache  # a ring batch asks per launch; dataclasses.replace costs ~7 us
+def _tails_of(cfg: TileConfig) -> TileConfig:
+    return dataclasses.replace(cfg, bm=cfg.tail_bm)
 
 
 def _gathered(spans: list[tuple[int, int]], order: torch.Tensor) -> torch.Tensor:
