@@ -2,7 +2,7 @@
 
 Slots [0, num_slots) are the pool, kept LRU and never evicted while used by the current step; slots
 [num_slots, num_slots + ring_slots) are the prefill ring. Each slot remembers the fetch that is filling
-it (`pending`, `ready`: None once the compute stream has waited for it) and the compute event after its
+it (`pending` and its copy's `ready` event: each None once waited on) and the compute event after its
 last reader (`last_use`), so a copy never lands in a slot that a kernel may still read, and a kernel never
 reads a slot before its copy.
 """
