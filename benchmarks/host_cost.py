@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import time
+import timeit
 
 import torch
 
@@ -25,10 +25,7 @@ from moestream.kernels import expert_mlp
 
 def _us(fn, calls: int = 200) -> float:
     fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
+    return timeit.timeit(fn, number=calls) / calls * 1e6
 
 
 def main() -> None:

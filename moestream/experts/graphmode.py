@@ -109,14 +109,20 @@ class GraphMode:
 
     def _flush_in_place(self) -> None:
         used = (torch.stack([c for _, c in self._in_place]) > 0).cpu().tolist()
-        precision, stride = self.cfg.precision, self.layout.stride
         for (layer, _), row in zip(self._in_place, used):
-            n, c = sum(row), self.stats.at(layer, precision)
-            c.lookups += n
-            c.hits += n
-            self.stats.read(layer, precision, "gpu", n * stride, records=n)
-            self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], row)]
+            self._count_hits(layer, self.cfg.precision, sum(row))
+            self._count_uses(layer, row)
         self._in_place = []
+
+    def _count_hits(self, layer: int, precision: str, n: int) -> None:
+        """`n` lookups that hit pool records of `precision`, each a pool read."""
+        c = self.stats.at(layer, precision)
+        c.lookups += n
+        c.hits += n
+        self.stats.read(layer, precision, "gpu", n * self.layouts[precision].stride, records=n)
+
+    def _count_uses(self, layer: int, uses: list[int]) -> None:
+        self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], uses)]
 
     def count_addressed(self, routed: torch.Tensor) -> None:
         """Note a decode step that read its records by address (a graph replay sees no provider): `routed`
@@ -156,7 +162,5 @@ class GraphMode:
             c.misses += misses
             self.stats.read(layer, miss, "host", misses * self.layouts[miss].stride, records=misses)
             for p, h in hits.items():
-                self.stats.at(layer, p).lookups += h[layer]
-                self.stats.at(layer, p).hits += h[layer]
-                self.stats.read(layer, p, "gpu", h[layer] * self.layouts[p].stride, records=h[layer])
-            self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], uses[layer])]
+                self._count_hits(layer, p, h[layer])
+            self._count_uses(layer, uses[layer])

@@ -57,7 +57,8 @@ def weight_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.cons
     groups' `scale` and `bias` (`tile_affine`).
 
     UNPACK 0 loads each code's word (the repeats hit L1); UNPACK 1 loads each word once and splits it
-    with a reshape. Which is faster is measured per GPU (benchmarks/bench_kernels.py)."""
+    with a reshape; UNPACK 2 dequantizes each word's codes in the thread that loaded it (`joined_codes`). Which is
+    faster is measured per GPU (benchmarks/bench_kernels.py)."""
     if BITS == 16:  # an if/else: the compiler goes on past a constexpr branch's return
         ptr = (base + off_w).to(tl.pointer_type(tl.bfloat16))
         w = tl.load(ptr + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :]).to(tl.float32)
