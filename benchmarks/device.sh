@@ -11,10 +11,12 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 STORE=/tmp/suite-qwen3-30b
 TUNED=/tmp/expert_mlp.tuned.json
 STATE_DIR=/tmp/suite-state
-[ -f "$TUNED" ] && cp "$TUNED" moestream/kernels/configs/expert_mlp.json  # this checkout is the local one again
+TILES=moestream/kernels/configs/expert_mlp.json
+[ -f "$TUNED" ] && cp "$TUNED" "$TILES"  # this checkout is the local one again
 [ -n "${SUITE_STATE:-}" ] && mkdir -p $STATE_DIR && cp "$SUITE_STATE" $STATE_DIR/suite.json
 [ -n "${MOESTREAM_COMMIT:-}" ] || echo "warning: MOESTREAM_COMMIT unset: rows record this copy's .git, which can be stale"
 s12() { [ -f /tmp/s12/manifest.json ] || python -m benchmarks.synthetic /tmp/s12 --geometry qwen3-30b --layers 12; }  # 12 layers, 6 GB
+keep_tiles() { cp "$TILES" "$OUT/" && cp "$TILES" $TUNED; }  # tuned tiles: in the results, and for later calls
 wait_stores() { [ -f /tmp/stores.pid ] && while kill -0 "$(cat /tmp/stores.pid)" 2>/dev/null; do sleep 2; done; true; }
 suite() {  # suite SECONDS STAGE ARGS...: state carried in $STATE_DIR between stages and calls
   local limit=$1; shift
@@ -32,16 +34,16 @@ for stage in "$@"; do
     tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
     kernel-tests) timeout 240 python -m pytest -q -n 4 -m gpu ${KERNEL_TESTS:-tests/kernels tests/quant} 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
     kernels) timeout 330 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
-             cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
+             keep_tiles ;;
     kernels-decode) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases decode \
                     --precisions "${KERNEL_PRECISIONS:-q4}" 2>&1 | tee "$OUT/kernels.log" | grep -v " rows .* us, " | tail -8
-                    cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
+                    keep_tiles ;;
     kernels-prefill) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases prefill \
                      --precisions "${KERNEL_PRECISIONS:-q4}" 2>&1 | tee "$OUT/kernels.log" | grep -v "resident .* ms, ring batch" | tail -10
-                     cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
+                     keep_tiles ;;
     kernels-host) timeout 240 python -m benchmarks.bench_kernels --quick --host --tune --precisions q4,q3,q2 2>&1 \
                   | tee "$OUT/kernels-host.log" | grep -v " rows .* us, " | tail -14  # tunes Q3/Q2 decode
-                  cp moestream/kernels/configs/expert_mlp.json "$OUT/" && cp moestream/kernels/configs/expert_mlp.json $TUNED ;;
+                  keep_tiles ;;
     decode) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --decode --profile 2>&1 | tee "$OUT/decode.log" | tail -30 ;;
     e2e) wait_stores; timeout 300 python -m benchmarks.bench_e2e $STORE --decode --prefill 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
     overlap) wait_stores; timeout 200 python -m benchmarks.bench_e2e $STORE --prefill --fracs 0.25 --lengths 4096 \
