@@ -78,8 +78,9 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, spl
                 alone.replay()
             torch.cuda.synchronize()
         for e in prof.key_averages():
-            if "gemv_kernel" in e.key:  # device time per call
-                result[f"{e.key.split('_gemv')[0]}_us"] = e.device_time_total / max(e.count, 1)
+            if "gemv_kernel" in e.key or "mma_kernel" in e.key or "prepare_kernel" in e.key:  # device time a call
+                name = e.key.replace("_gemv_kernel", "").replace("_kernel", "")  # mma's never compose with GEMVs'
+                result[f"{name}_us"] = e.device_time_total / max(e.count, 1)
     return result
 
 
@@ -141,6 +142,10 @@ DECODE_FIRST = [TileConfig(1, 16, 2048, 32, 1024, 4, 1), TileConfig(1, 8, 2048, 
                 TileConfig(1, 16, 2048, 16, 1024, 4, 1), TileConfig(1, 8, 256, 16, 256, 2, 2),
                 TileConfig(1, 8, 512, 16, 256, 2, 4, 0, 2, 3), TileConfig(1, 8, 1024, 16, 256, 2, 2, 0, 2, 3),
                 TileConfig(1, 16, 512, 32, 256, 4, 4, 0, 4, 3)]
+# Q4 on tensor cores (expert_mma.py): num_warps the gate/up program's (8 x warps gate rows and as many up rows),
+# warps_down the down program's (16 rows a warp). Offline sm_90: gate/up 4 warps 1.59 instructions a code, 208
+# registers; down 4 warps 1.79, 151 registers (the GEMVs: 3.39 and 5.08).
+MMA_FIRST = [TileConfig(1, 8, 2048, 16, 1024, w, 1, 0, wd, mma=1) for w, wd in [(4, 4), (2, 2), (4, 2), (8, 4), (2, 4)]]
 
 
 # Graphed host-tier decode reads each miss in place over PCIe, where the pieces a load covers matter, not the
@@ -183,7 +188,7 @@ def decode_configs(quick: bool):
     out = [TileConfig(1, bn, bk, bnd, bkd, w, s) for bn, bk, bnd, bkd, w, s in grid
            if 1024 * w <= bn * bk <= 16384 * w and 1024 * w <= bnd * bkd <= 16384 * w]
     random.Random(0).shuffle(out)
-    return DECODE_FIRST + [c for c in out if c not in DECODE_FIRST][: 10 if quick else 54]
+    return MMA_FIRST + DECODE_FIRST + [c for c in out if c not in DECODE_FIRST][: 10 if quick else 54]
 
 
 # First in every prefill sweep: BM 256 holds a whole expert's rows at 4096 tokens (about 256 per expert), so
@@ -247,7 +252,7 @@ def main() -> None:
             scored, first = [], None
             current = expert_mlp.tile_config(phase, layout)  # the tuned tiles so far: a sweep never regresses
             for cfg in [current] + [c for c in configs if c != current]:
-                if phase == "decode" and precision == "bf16" and not _fits_bf16(cfg):
+                if phase == "decode" and ((precision == "bf16" and not _fits_bf16(cfg)) or (cfg.mma and precision != "q4")):
                     continue
                 try:
                     if phase == "decode":  # quantized kernels timed one by one too, to compose the best of each

@@ -1,0 +1,61 @@
+"""Launching the tensor-core Q4 decode GEMVs (triton/expert_mma.py, Gluon): a launch that prepares the
+activations in the MMA's fragment order, then gate/up and down. `launch_decode` takes this path for Q4 records
+with groups of 64 when its tile config says `mma`."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moestream.experts.format import RecordLayout
+from moestream.kernels.launch import dependent, options
+
+
+def supported(layout: RecordLayout, warps: int, warps_down: int) -> bool:
+    """Whether the kernels cover this geometry: Q4, groups of 64, I in blocks of 8 x warps rows, H in 16 x
+    warps_down."""
+    return (layout.bits == 4 and (layout.group_size or 64) == 64 and layout.hidden_size % 64 == 0
+            and layout.intermediate_size % 64 == 0 and 64 % (8 * warps) == 0
+            and layout.hidden_size % (16 * warps_down) == 0)
+
+
+@functools.cache
+def _layouts(warps: int) -> dict:
+    from moestream.kernels.triton.expert_mma import layouts
+
+    return layouts(warps)
+
+
+@functools.cache
+def _halves(warps: int):
+    from triton.experimental.gluon import language as gl
+
+    return gl.BlockedLayout([1, 2], [32, 1], [warps, 1], [1, 0])
+
+
+def launch_decode_mma(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, addr: torch.Tensor,
+                      layout: RecordLayout, top_k: int, offsets: dict, warps: int, warps_down: int,
+                      records: torch.Tensor | None = None) -> None:
+    """As expert_mlp.launch_decode (without `record_bits`), on tensor cores: x [T, H]; out [T * top_k, H]."""
+    from moestream.kernels.triton.expert_mma import down_mma_kernel, gate_up_mma_kernel, prepare_kernel
+
+    hidden, inter, o, n = layout.hidden_size, layout.intermediate_size, offsets, entries.shape[0]
+    rows_block = 8 * warps  # gate (and up) rows a gate/up program
+    xf = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    xs = torch.empty(x.shape[0], hidden // 64, 2, dtype=torch.float32, device=x.device)
+    hf = torch.empty(n, inter, dtype=torch.float16, device=x.device)
+    hs = torch.empty(n, inter // rows_block, 2, dtype=torch.float32, device=x.device)
+    indirect = records is not None
+    records = records if indirect else entries  # unread unless indirect
+    field = 0x000F000F  # nibbles 0 and 4 of a word; passed at run time so that ptxas fuses mask and OR
+    wait, pdl = dependent(x), dependent(x, "down")
+    prepare_kernel[(x.shape[0], hidden // 64)](x, xf, xs, K=hidden, PDL=wait, num_warps=1, **options(wait))
+    gate_up_mma_kernel[(n, inter // rows_block)](
+        xf, xs, hf, hs, entries, addr, records, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"], o["up_s"],
+        o["up_b"], field, H=hidden, I=inter, TOP_K=top_k, INDIRECT=indirect, PDL=pdl, HALVES=_halves(warps),
+        **_layouts(warps), num_warps=warps, **options(pdl))
+    down_mma_kernel[(n, hidden // (16 * warps_down))](
+        hf, hs, out, entries, addr, records, o["down_w"], o["down_s"], o["down_b"], field, H=hidden, I=inter,
+        PARTS=64 // rows_block, INDIRECT=indirect, PDL=pdl, **_layouts(warps_down), num_warps=warps_down,
+        **options(pdl))

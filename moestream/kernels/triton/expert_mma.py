@@ -1,0 +1,240 @@
+"""Q4 decode on tensor cores (Gluon): each warp turns its own code words into the MMA's weight fragments, two
+codes a LOP3, with no shared-memory round trip; the activations are the MMA's narrow operand (column 0 of 8).
+
+A word's nibbles c and c + 4 become one fp16 pair by a mask and an OR with 0x6400 (1024 + q, or 1024 + 16 q for
+the odd nibbles, which lie in bits 4-7): a shift of 8 serves nibbles 2, 3, 6 and 7, so eight codes cost five ops.
+The dot product runs over K in an order of our choosing, the same for weights and activations: `prepare_kernel`
+writes the activations in that order ("fragment order": per group of 64, lane t's 16 values in its registers'
+order), the odd nibbles' activations divided by 16, together with each group's sum and -1024 x its fragment sum.
+The MMA's accumulator starts at the latter, so that it holds sum(q x) of the group; scale and bias then apply
+once per group in fp32. The gate/up kernel writes h in the same order for the down kernel.
+"""
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from moestream.kernels.triton.launch import dependent_start
+
+GROUP = tl.constexpr(64)  # codes a scale; one group is four MMA k-steps
+WORDS_AHEAD = tl.constexpr(32)  # groups of words in flight: 128 registers a thread
+
+
+@triton.jit
+def _fragment_place(k):
+    """Place in fragment order of column k of a group: lane t = k // 16 and register h + 2 c0 + 4 c1 + 8 j0, where
+    column k = 16 t + 8 j0 + 4 h + 2 c1 + c0 is code c0 + 2 c1 + 4 h of the lane's word j0."""
+    r = ((k >> 2) & 1) + 2 * (k & 1) + 4 * ((k >> 1) & 1) + 8 * ((k >> 3) & 1)
+    return (k >> 4) * 16 + r
+
+
+@triton.jit
+def prepare_kernel(x_ptr, xf_ptr, xs_ptr, K: tl.constexpr, PDL: tl.constexpr):
+    """Program (r, g): group g of row r of x [T, K] (bf16) -> xf [T, K] fp16 in fragment order (odd nibbles'
+    columns / 16), and xs [T, K // 64, 2] fp32: (the group's sum as the MMA sees it, -1024 x its fragment's sum).
+    PDL: waits for the kernel before, then lets the gate/up kernel start loading its words."""
+    dependent_start(PDL)
+    row, g = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * K + g * GROUP + k).to(tl.float32)
+    odd = (k & 1) == 1
+    f = tl.where(odd, x * 0.0625, x).to(tl.float16)
+    tl.store(xf_ptr + row * K + g * GROUP + _fragment_place(k), f)
+    f = f.to(tl.float32)
+    at = xs_ptr + (row * (K // GROUP) + g) * 2
+    tl.store(at, tl.sum(tl.where(odd, f * 16.0, f), axis=0))
+    tl.store(at + 1, -1024.0 * tl.sum(f, axis=0))
+
+
+@gluon.jit
+def _half(p, HIGH: gl.constexpr):
+    if HIGH:
+        v = p >> 16
+    else:
+        v = p & 0xFFFF
+    return v.to(gl.int16).to(gl.float16, bitcast=True)
+
+
+@gluon.jit
+def _pair(w, field):
+    """One fp16 pair a LOP3: the nibbles under `field` (a run-time mask, so ptxas fuses AND and OR) + 1024."""
+    p = (w & field) | 0x64006400
+    return gl.join(_half(p, False), _half(p, True))
+
+
+@gluon.jit
+def _weights(w, field, a_layout: gl.constexpr, R: gl.constexpr):
+    """Words [R, 8] of one group (lane t holds words 2t, 2t+1 of rows r, r + 8) -> the MMA's A operand [R, 64]:
+    position p = 32 j0 + 16 c1 + 8 c0 + 2 t + h holds code c0 + 2 c1 + 4 h of word 2 t + j0."""
+    w = gl.reshape(w, [R, 4, 2])
+    w8 = w >> 8
+    low, high = field, field << 4
+    e = gl.join(gl.join(_pair(w, low), _pair(w, high)), gl.join(_pair(w8, low), _pair(w8, high)))
+    return gl.convert_layout(gl.reshape(gl.permute(e, (0, 2, 5, 4, 1, 3)), [R, GROUP]), a_layout,
+                             assert_trivial=True)
+
+
+@gluon.jit
+def _activations(xf_ptr, b_layout: gl.constexpr, frag_layout: gl.constexpr):
+    """One group of a row's fragment-order activations -> the MMA's B operand [64, 8] (every column the same: the
+    lanes of one address share its load, and an unmasked load needs no zeros first)."""
+    n = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, frag_layout)))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, frag_layout)))
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, frag_layout)))
+    offs = n[:, None, None] * 0 + t[None, :, None] * 16 + r[None, None, :]
+    x = gl.load(xf_ptr + offs)
+    x = gl.reshape(x, [8, 4, 2, 2, 2, 2])  # n, t, j0, c1, c0, h
+    x = gl.reshape(gl.permute(x, (2, 3, 4, 1, 5, 0)), [GROUP, 8])
+    return gl.convert_layout(x, b_layout, assert_trivial=True)
+
+
+def layouts(warps: int) -> dict:
+    """The kernels' layouts for `warps` warps of 16 weight rows each: code words [R, 8] (lane t holds words 2t,
+    2t+1 of rows r and r + 8, as the A fragment wants them), the MMA's, its operands', and the fragment-order
+    activations' [8, 4, 16] (column n, lane t, register; every warp holds all of them)."""
+    rows = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+    return dict(
+        WORDS=gl.DistributedLinearLayout(reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                         warp_bases=rows, block_bases=[], shape=[16 * warps, 8]),
+        MMA=mma, A=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+        B=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
+        FRAG=gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+                                        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                        warp_bases=[[0, 0, 0] for _ in rows], block_bases=[], shape=[8, 4, 16]))
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _record(entries_ptr, addr_ptr, records_ptr, INDIRECT: gl.constexpr):
+    """(routing entry of this program, its record's byte pointer)."""
+    i = gl.program_id(0)
+    record = gl.load(records_ptr + i) if INDIRECT else i
+    return gl.load(entries_ptr + i), gl.multiple_of(gl.load(addr_ptr + record).to(gl.pointer_type(gl.uint8)), 64)
+
+
+@gluon.jit
+def _matrix_rows(base, off_w, off_s, off_b, first_row, K: gl.constexpr, R: gl.constexpr, WORDS: gl.constexpr,
+                 MMA: gl.constexpr, SPLIT: gl.constexpr, off_w2, off_s2, off_b2):
+    """Word pointers [R, 8] of group 0 and scale / bias pointers [R] (the MMA's rows) of rows first_row.. of a
+    matrix of K columns; with SPLIT, rows R // 2.. are the same rows of a second matrix (up beside gate)."""
+    rw = gl.arange(0, R, layout=gl.SliceLayout(1, WORDS))
+    rc = gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
+    if SPLIT:
+        ow = gl.where(rw >= R // 2, off_w2, off_w) + (first_row + rw % (R // 2)) * (K // 2)
+        row = first_row + rc % (R // 2)
+        os = gl.where(rc >= R // 2, off_s2, off_s) + row * (K // GROUP * 2)
+        ob = gl.where(rc >= R // 2, off_b2, off_b) + row * (K // GROUP * 2)
+    else:
+        ow = off_w + (first_row + rw) * (K // 2)
+        os = off_s + (first_row + rc) * (K // GROUP * 2)
+        ob = off_b + (first_row + rc) * (K // GROUP * 2)
+    j = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS))
+    words = (base + ow).to(gl.pointer_type(gl.int32))[:, None] + j[None, :]
+    return words, (base + os).to(gl.pointer_type(gl.bfloat16)), (base + ob).to(gl.pointer_type(gl.bfloat16))
+
+
+@gluon.jit
+def _dot(words, s_ptr, b_ptr, xf_ptr, xs_ptr, field, WAIT: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
+         AFFINE_FIRST: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+         FRAG: gl.constexpr):
+    """[R] rows . one row of fragment-order activations (xf_ptr at its first group; xs_ptr at its groups' sums,
+    PARTS pairs a group, added in order). The first WORDS_AHEAD groups' words load first (all of K 2048), and
+    with AFFINE_FIRST every group's scales and biases (a register each: at K 2048 they would spill), before the
+    wait for the kernel that wrote the activations (WAIT); a group computes as its words arrive, and loads the
+    words WORDS_AHEAD groups on."""
+    G: gl.constexpr = K // GROUP
+    AHEAD: gl.constexpr = G if G < WORDS_AHEAD else WORDS_AHEAD
+    w = ()
+    s = ()
+    b = ()
+    for g in gl.static_range(AHEAD):
+        w = w + (gl.load(words + g * 8),)
+    for g in gl.static_range(G if AFFINE_FIRST else 0):
+        s = s + (gl.load(s_ptr + g),)
+        b = b + (gl.load(b_ptr + g),)
+    if WAIT:
+        _gdc_wait()
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    acc = gl.zeros([R, 8], gl.float32, MMA)
+    for g in gl.static_range(G):
+        sx = gl.load(xs_ptr + g * PARTS * 2)
+        start = gl.load(xs_ptr + g * PARTS * 2 + 1)
+        for p in gl.static_range(1, PARTS):
+            sx += gl.load(xs_ptr + (g * PARTS + p) * 2)
+            start += gl.load(xs_ptr + (g * PARTS + p) * 2 + 1)
+        if g + AHEAD < G:  # a group's words stay WORDS_AHEAD groups ahead
+            w = w + (gl.load(words + (g + AHEAD) * 8),)
+        d = mma_v2(_weights(w[g], field, A, R), _activations(xf_ptr + g * GROUP, B, FRAG),
+                   gl.full([R, 8], start, gl.float32, MMA))
+        if AFFINE_FIRST:
+            scale, bias = s[g], b[g]
+        else:
+            scale, bias = gl.load(s_ptr + g), gl.load(b_ptr + g)
+        acc += scale.to(gl.float32)[:, None] * d  # two FFMAs, where one sum made an FMUL, an FFMA and an FADD
+        acc += bias.to(gl.float32)[:, None] * sx
+    return gl.sum(gl.where((n == 0)[None, :], acc, 0.0), axis=1)  # the columns are equal: one suffices
+
+
+@gluon.jit
+def gate_up_mma_kernel(xf_ptr, xs_ptr, hf_ptr, hs_ptr, entries_ptr, addr_ptr, records_ptr, off_gw, off_gs, off_gb,
+                       off_uw, off_us, off_ub, field, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr,
+                       INDIRECT: gl.constexpr, PDL: gl.constexpr, WORDS: gl.constexpr, MMA: gl.constexpr,
+                       A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr, HALVES: gl.constexpr):
+    """Program (i, blk): h[i] over rows blk * RB.. of I (RB = 8 x num_warps) = silu(gate rows . x) * (up rows . x),
+    for routing entry entries[i] on the record at addr[i] (addr[records[i]] when INDIRECT). h goes in fragment
+    order for the down kernel, with its sums a block (GROUP // RB blocks a group). The first half of the warps
+    takes the gate rows, the second the up rows; x in fragment order (prepare_kernel). PDL: launched as a
+    dependent of prepare_kernel (the words load before the wait)."""
+    R: gl.constexpr = 16 * gl.num_warps()
+    RB: gl.constexpr = R // 2
+    if PDL:
+        _gdc_launch_dependents()
+    e, base = _record(entries_ptr, addr_ptr, records_ptr, INDIRECT)
+    blk = gl.program_id(1)
+    words, s_ptr, b_ptr = _matrix_rows(base, off_gw, off_gs, off_gb, blk * RB, H, R, WORDS, MMA, True, off_uw,
+                                       off_us, off_ub)
+    row = e // TOP_K
+    y = _dot(words, s_ptr, b_ptr, xf_ptr + row * H, xs_ptr + row * (H // GROUP) * 2, field, PDL, H, 1, False, R, MMA,
+             A, B, FRAG)
+    gate, up = gl.split(gl.convert_layout(gl.permute(gl.reshape(y, [2, RB]), (1, 0)), HALVES))
+    h = gate / (1.0 + gl.exp(-gate)) * up
+    k = blk * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, HALVES))  # column of the down matrix
+    odd = (k & 1) == 1
+    f = gl.where(odd, h * 0.0625, h).to(gl.float16)
+    i = gl.program_id(0)
+    gl.store(hf_ptr + i * I + k // GROUP * GROUP + _fragment_place(k % GROUP), f)
+    f = f.to(gl.float32)
+    at = hs_ptr + (i * (I // RB) + blk) * 2
+    gl.store(at, gl.sum(gl.where(odd, f * 16.0, f), axis=0))
+    gl.store(at + 1, -1024.0 * gl.sum(f, axis=0))
+
+
+@gluon.jit
+def down_mma_kernel(hf_ptr, hs_ptr, y_ptr, entries_ptr, addr_ptr, records_ptr, off_dw, off_ds, off_db, field,
+                    H: gl.constexpr, I: gl.constexpr, PARTS: gl.constexpr, INDIRECT: gl.constexpr, PDL: gl.constexpr,
+                    WORDS: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr):
+    """Program (i, blk): y[entries[i]] rows blk * R.. = down rows . h[i] (h in fragment order, from the gate/up
+    kernel, PARTS blocks' sums a group). PDL: the words load while the gate/up kernel runs."""
+    R: gl.constexpr = 16 * gl.num_warps()
+    e, base = _record(entries_ptr, addr_ptr, records_ptr, INDIRECT)
+    blk = gl.program_id(1)
+    words, s_ptr, b_ptr = _matrix_rows(base, off_dw, off_ds, off_db, blk * R, I, R, WORDS, MMA, False, off_dw,
+                                       off_ds, off_db)
+    i = gl.program_id(0)
+    y = _dot(words, s_ptr, b_ptr, hf_ptr + i * I, hs_ptr + i * (I // GROUP) * PARTS * 2, field, PDL, I, PARTS,
+             I // GROUP <= 16, R, MMA, A, B, FRAG)  # K 1408: 22 groups' scales a thread make 255 registers
+    r = blk * R + gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
+    gl.store(y_ptr + e * H + r, y.to(gl.bfloat16))

@@ -1,0 +1,81 @@
+"""The tensor-core Q4 decode GEMVs (kernels/expert_mma.py) equal the torch reference: the five model types'
+geometries, 1 to 8 rows, each warp count, slot tables with gaps and repeats, every output element written. Gluon
+kernels do not run under the interpreter: GPU only."""
+
+import pytest
+import torch
+
+from moestream.experts.format import RecordLayout
+from moestream.kernels import reference
+from tests.kernels.test_expert_mlp import make_buffer
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+
+
+def _check(hidden, inter, rows, top_k, warps=4, warps_down=4, records=None, seed=0):
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(seed)
+    layout = RecordLayout.build("q4", hidden, inter)
+    slots = 2 * top_k + 1
+    buf = make_buffer(layout, slots, gen)
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    n = rows * top_k
+    picks = [(slots - 1 - 2 * (i % top_k) - (i // top_k) % 2) % slots for i in range(n)]  # gaps, repeats
+    entries = torch.arange(n, device=DEVICE).flip(0)
+    cfg = TileConfig(1, 8, 2048, 16, 1024, warps, 1, 0, warps_down, mma=1)
+    out = torch.full((n, hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    if records is None:
+        addr = torch.tensor([buf[picks[e]].data_ptr() for e in entries.tolist()], device=DEVICE)
+        expert_mlp.launch_decode(x, out, entries, addr, layout, top_k, cfg=cfg)
+    else:  # graph mode: the table by expert id, entry i's expert records[i]
+        table = torch.tensor([buf[s].data_ptr() for s in range(slots)], device=DEVICE)
+        ids = torch.tensor([picks[e] for e in entries.tolist()], device=DEVICE)
+        expert_mlp.launch_decode(x, out, entries, table, layout, top_k, cfg=cfg, records=ids)
+    assert not torch.isnan(out).any(), "an output element was not written"
+    want = torch.empty_like(out)
+    for e in range(n):
+        reference.expert_group(x, buf, [picks[e]], layout, [(0, 1)], torch.tensor([e], device=DEVICE), top_k, want)
+    err = (out.float() - want.float()).norm() / want.float().norm()
+    assert err < 1e-2, f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("hidden,inter,top_k,rows", [
+    (2048, 768, 8, 1), (2048, 768, 8, 4), (2048, 768, 8, 8), (2560, 640, 10, 1), (2560, 640, 10, 8),
+    (2048, 1408, 4, 2), (4096, 1536, 8, 1), (4096, 1536, 8, 4), (256, 128, 2, 3), (128, 64, 2, 1)])
+def test_matches_reference(hidden, inter, top_k, rows):
+    _check(hidden, inter, rows, top_k)
+
+
+@pytest.mark.parametrize("warps,warps_down", [(2, 2), (4, 2), (8, 4), (2, 4), (8, 8)])
+def test_each_warp_count(warps, warps_down):
+    _check(2048, 768, 2, 8, warps, warps_down, seed=1)
+
+
+def test_reads_the_table_by_expert_id():
+    _check(2048, 768, 3, 8, records=True, seed=2)
+
+
+def test_equals_the_gemv_within_rounding():
+    """The same step through the FMA GEMVs and the tensor cores: both are fp32 sums of the same products."""
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(3)
+    layout = RecordLayout.build("q4", 2048, 768)
+    buf = make_buffer(layout, 8, gen)
+    x = torch.randn(1, 2048, generator=gen).to(DEVICE, torch.bfloat16)
+    entries = torch.arange(8, device=DEVICE)
+    addr = torch.tensor([buf[i].data_ptr() for i in range(8)], device=DEVICE)
+    outs = []
+    for mma in (0, 1):
+        out = torch.empty(8, 2048, dtype=torch.bfloat16, device=DEVICE)
+        expert_mlp.launch_decode(x, out, entries, addr, layout, 8, cfg=TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4,
+                                                                                   mma=mma))
+        outs.append(out.float())
+    assert (outs[0] - outs[1]).norm() / outs[0].norm() < 4e-3
