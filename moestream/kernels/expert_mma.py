@@ -21,10 +21,10 @@ def supported(layout: RecordLayout, warps: int, warps_down: int) -> bool:
 
 
 @functools.cache
-def _layouts(warps: int) -> dict:
+def _layouts(warps: int, parts: int = 1) -> dict:
     from moestream.kernels.triton.expert_mma import layouts
 
-    return layouts(warps)
+    return layouts(warps, parts)
 
 
 @functools.cache
@@ -57,5 +57,6 @@ def launch_decode_mma(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor,
         **_layouts(warps), num_warps=warps, **options(pdl))
     down_mma_kernel[(n, hidden // (16 * warps_down))](
         hf, hs, out, entries, addr, records, o["down_w"], o["down_s"], o["down_b"], field, H=hidden, I=inter,
-        PARTS=64 // rows_block, INDIRECT=indirect, PDL=pdl, **_layouts(warps_down), num_warps=warps_down,
+        PARTS=64 // rows_block, INDIRECT=indirect, PDL=pdl, **_layouts(warps_down, 64 // rows_block),
+        num_warps=warps_down,
         **options(pdl))

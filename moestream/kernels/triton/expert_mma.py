@@ -77,24 +77,22 @@ def _weights(w, field, a_layout: gl.constexpr, R: gl.constexpr):
 
 
 @gluon.jit
-def _activations(xf_ptr, b_layout: gl.constexpr, frag_layout: gl.constexpr):
-    """One group of a row's fragment-order activations -> the MMA's B operand [64, 8] (every column the same: the
-    lanes of one address share its load, and an unmasked load needs no zeros first)."""
-    n = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, frag_layout)))
-    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, frag_layout)))
-    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, frag_layout)))
-    offs = n[:, None, None] * 0 + t[None, :, None] * 16 + r[None, None, :]
-    x = gl.load(xf_ptr + offs)
+def _fragment(x, b_layout: gl.constexpr):
+    """One group of fragment-order activations [8, 4, 16] (column, lane, register; the columns equal) -> the MMA's
+    B operand [64, 8]."""
     x = gl.reshape(x, [8, 4, 2, 2, 2, 2])  # n, t, j0, c1, c0, h
     x = gl.reshape(gl.permute(x, (2, 3, 4, 1, 5, 0)), [GROUP, 8])
     return gl.convert_layout(x, b_layout, assert_trivial=True)
 
 
-def layouts(warps: int) -> dict:
+def layouts(warps: int, parts: int = 1) -> dict:
     """The kernels' layouts for `warps` warps of 16 weight rows each: code words [R, 8] (lane t holds words 2t,
-    2t+1 of rows r and r + 8, as the A fragment wants them), the MMA's, its operands', and the fragment-order
-    activations' [8, 4, 16] (column n, lane t, register; every warp holds all of them)."""
+    2t+1 of rows r and r + 8, as the A fragment wants them), the MMA's, its operands', the fragment-order
+    activations' [8, 4, 16] (column n, lane t, register; every warp holds all of them), and for staging in
+    shared memory: scales [R, groups], sums [groups, parts, 2], one group's sum in every thread, and one
+    group's fragment-order activations flat (lane t's 16 in its registers)."""
     rows = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
+    none = [[0] for _ in rows]
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
     return dict(
         WORDS=gl.DistributedLinearLayout(reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
@@ -103,7 +101,13 @@ def layouts(warps: int) -> dict:
         B=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
         FRAG=gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
                                         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                                        warp_bases=[[0, 0, 0] for _ in rows], block_bases=[], shape=[8, 4, 16]))
+                                        warp_bases=[[0, 0, 0] for _ in rows], block_bases=[], shape=[8, 4, 16]),
+        STAGE=gl.BlockedLayout([1, 8], [8, 4], [warps, 1], [1, 0]),
+        SUMS=gl.BlockedLayout([1, parts, 2], [32, 1, 1], [warps, 1, 1], [2, 1, 0]),
+        ONE=gl.DistributedLinearLayout(reg_bases=[], lane_bases=[[0]] * 5, warp_bases=none, block_bases=[],
+                                       shape=[1]),
+        LANES=gl.DistributedLinearLayout(reg_bases=[[1], [2], [4], [8]], lane_bases=[[16], [32], [0], [0], [0]],
+                                         warp_bases=none, block_bases=[], shape=[64]))
 
 
 @gluon.jit
@@ -127,64 +131,83 @@ def _record(entries_ptr, addr_ptr, records_ptr, INDIRECT: gl.constexpr):
 
 @gluon.jit
 def _matrix_rows(base, off_w, off_s, off_b, first_row, K: gl.constexpr, R: gl.constexpr, WORDS: gl.constexpr,
-                 MMA: gl.constexpr, SPLIT: gl.constexpr, off_w2, off_s2, off_b2):
-    """Word pointers [R, 8] of group 0 and scale / bias pointers [R] (the MMA's rows) of rows first_row.. of a
+                 STAGE: gl.constexpr, SPLIT: gl.constexpr, off_w2, off_s2, off_b2):
+    """Word pointers [R, 8] of group 0 and scale / bias pointers [R] (STAGE's rows) of rows first_row.. of a
     matrix of K columns; with SPLIT, rows R // 2.. are the same rows of a second matrix (up beside gate)."""
     rw = gl.arange(0, R, layout=gl.SliceLayout(1, WORDS))
-    rc = gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
+    rs = gl.arange(0, R, layout=gl.SliceLayout(1, STAGE))
     if SPLIT:
         ow = gl.where(rw >= R // 2, off_w2, off_w) + (first_row + rw % (R // 2)) * (K // 2)
-        row = first_row + rc % (R // 2)
-        os = gl.where(rc >= R // 2, off_s2, off_s) + row * (K // GROUP * 2)
-        ob = gl.where(rc >= R // 2, off_b2, off_b) + row * (K // GROUP * 2)
+        row = first_row + rs % (R // 2)
+        os = gl.where(rs >= R // 2, off_s2, off_s) + row * (K // GROUP * 2)
+        ob = gl.where(rs >= R // 2, off_b2, off_b) + row * (K // GROUP * 2)
     else:
         ow = off_w + (first_row + rw) * (K // 2)
-        os = off_s + (first_row + rc) * (K // GROUP * 2)
-        ob = off_b + (first_row + rc) * (K // GROUP * 2)
+        os = off_s + (first_row + rs) * (K // GROUP * 2)
+        ob = off_b + (first_row + rs) * (K // GROUP * 2)
     j = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS))
     words = (base + ow).to(gl.pointer_type(gl.int32))[:, None] + j[None, :]
     return words, (base + os).to(gl.pointer_type(gl.bfloat16)), (base + ob).to(gl.pointer_type(gl.bfloat16))
 
 
 @gluon.jit
+def _staged(ptr_rows, G: gl.constexpr, GP: gl.constexpr, STAGE: gl.constexpr, SHARED: gl.constexpr):
+    """Columns 0..G of rows `ptr_rows` [R] (STAGE's rows) in shared memory, column after column (flat: a slice
+    of a 2-D view drops no rank): a group's is then read in ~30 cycles where a global load per group put an L2
+    round trip in every step."""
+    g = gl.arange(0, GP, layout=gl.SliceLayout(0, STAGE))
+    t = gl.load(ptr_rows[:, None] + g[None, :], mask=(g < G)[None, :], other=0.0)
+    return gl.allocate_shared_memory(t.dtype, [GP * t.shape[0]], SHARED, gl.reshape(gl.permute(t, (1, 0)),
+                                                                                      [GP * t.shape[0]]))
+
+
+@gluon.jit
 def _dot(words, s_ptr, b_ptr, xf_ptr, xs_ptr, field, WAIT: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
-         AFFINE_FIRST: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-         FRAG: gl.constexpr):
+         R: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr,
+         STAGE: gl.constexpr, SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr):
     """[R] rows . one row of fragment-order activations (xf_ptr at its first group; xs_ptr at its groups' sums,
-    PARTS pairs a group, added in order). The first WORDS_AHEAD groups' words load first (all of K 2048), and
-    with AFFINE_FIRST every group's scales and biases (a register each: at K 2048 they would spill), before the
-    wait for the kernel that wrote the activations (WAIT); a group computes as its words arrive, and loads the
+    PARTS pairs a group, added in order). The first WORDS_AHEAD groups' words load first (all of K 2048) and the
+    rows' scales and biases go to shared memory, before the wait for the kernel that wrote the activations
+    (WAIT); the activations and sums go to shared memory too. A group computes as its words arrive, and loads the
     words WORDS_AHEAD groups on."""
     G: gl.constexpr = K // GROUP
+    GP: gl.constexpr = triton.next_power_of_2(G)
     AHEAD: gl.constexpr = G if G < WORDS_AHEAD else WORDS_AHEAD
+    SHARED: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     w = ()
-    s = ()
-    b = ()
     for g in gl.static_range(AHEAD):
         w = w + (gl.load(words + g * 8),)
-    for g in gl.static_range(G if AFFINE_FIRST else 0):
-        s = s + (gl.load(s_ptr + g),)
-        b = b + (gl.load(b_ptr + g),)
+    scales = _staged(s_ptr, G, GP, STAGE, SHARED)
+    biases = _staged(b_ptr, G, GP, STAGE, SHARED)
     if WAIT:
         _gdc_wait()
+    gs = gl.arange(0, GP, layout=gl.SliceLayout(1, STAGE))
+    ks = gl.arange(0, GROUP, layout=gl.SliceLayout(0, STAGE))
+    x = gl.load(xf_ptr + gs[:, None] * GROUP + ks[None, :], mask=(gs < G)[:, None], other=0.0)
+    x = gl.allocate_shared_memory(gl.float16, [GP * GROUP], SHARED, gl.reshape(x, [GP * GROUP]))
+    gp = gl.arange(0, GP, layout=gl.SliceLayout(1, gl.SliceLayout(2, SUMS)))
+    pp = gl.arange(0, PARTS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SUMS)))
+    two = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SUMS)))
+    sums = gl.load(xs_ptr + (gp[:, None, None] * PARTS + pp[None, :, None]) * 2 + two[None, None, :],
+                   mask=(gp < G)[:, None, None], other=0.0)
+    sx, start = gl.split(gl.sum(sums, axis=1))
+    sx = gl.allocate_shared_memory(gl.float32, [GP], SHARED, sx)
+    start = gl.allocate_shared_memory(gl.float32, [GP], SHARED, start)
+    gl.thread_barrier()
+    rows: gl.constexpr = gl.SliceLayout(1, MMA)
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     acc = gl.zeros([R, 8], gl.float32, MMA)
     for g in gl.static_range(G):
-        sx = gl.load(xs_ptr + g * PARTS * 2)
-        start = gl.load(xs_ptr + g * PARTS * 2 + 1)
-        for p in gl.static_range(1, PARTS):
-            sx += gl.load(xs_ptr + (g * PARTS + p) * 2)
-            start += gl.load(xs_ptr + (g * PARTS + p) * 2 + 1)
         if g + AHEAD < G:  # a group's words stay WORDS_AHEAD groups ahead
             w = w + (gl.load(words + (g + AHEAD) * 8),)
-        d = mma_v2(_weights(w[g], field, A, R), _activations(xf_ptr + g * GROUP, B, FRAG),
-                   gl.full([R, 8], start, gl.float32, MMA))
-        if AFFINE_FIRST:
-            scale, bias = s[g], b[g]
-        else:
-            scale, bias = gl.load(s_ptr + g), gl.load(b_ptr + g)
-        acc += scale.to(gl.float32)[:, None] * d  # two FFMAs, where one sum made an FMUL, an FFMA and an FADD
-        acc += bias.to(gl.float32)[:, None] * sx
+        sx_g = gl.sum(sx.slice(g, 1).load(ONE), axis=0)
+        start_g = gl.sum(start.slice(g, 1).load(ONE), axis=0)
+        xg = gl.convert_layout(gl.reshape(x.slice(g * GROUP, GROUP).load(LANES), [4, 16]), gl.SliceLayout(0, FRAG),
+                               assert_trivial=True)
+        xg = gl.broadcast(gl.expand_dims(xg, 0), gl.full([8, 4, 16], 0, gl.float16, FRAG))[0]
+        d = mma_v2(_weights(w[g], field, A, R), _fragment(xg, B), gl.full([R, 8], start_g, gl.float32, MMA))
+        acc += scales.slice(g * R, R).load(rows).to(gl.float32)[:, None] * d  # 2 FFMAs, not FMUL, FFMA, FADD
+        acc += biases.slice(g * R, R).load(rows).to(gl.float32)[:, None] * sx_g
     return gl.sum(gl.where((n == 0)[None, :], acc, 0.0), axis=1)  # the columns are equal: one suffices
 
 
@@ -192,7 +215,8 @@ def _dot(words, s_ptr, b_ptr, xf_ptr, xs_ptr, field, WAIT: gl.constexpr, K: gl.c
 def gate_up_mma_kernel(xf_ptr, xs_ptr, hf_ptr, hs_ptr, entries_ptr, addr_ptr, records_ptr, off_gw, off_gs, off_gb,
                        off_uw, off_us, off_ub, field, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr,
                        INDIRECT: gl.constexpr, PDL: gl.constexpr, WORDS: gl.constexpr, MMA: gl.constexpr,
-                       A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr, HALVES: gl.constexpr):
+                       A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr, STAGE: gl.constexpr,
+                       SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr, HALVES: gl.constexpr):
     """Program (i, blk): h[i] over rows blk * RB.. of I (RB = 8 x num_warps) = silu(gate rows . x) * (up rows . x),
     for routing entry entries[i] on the record at addr[i] (addr[records[i]] when INDIRECT). h goes in fragment
     order for the down kernel, with its sums a block (GROUP // RB blocks a group). The first half of the warps
@@ -204,11 +228,11 @@ def gate_up_mma_kernel(xf_ptr, xs_ptr, hf_ptr, hs_ptr, entries_ptr, addr_ptr, re
         _gdc_launch_dependents()
     e, base = _record(entries_ptr, addr_ptr, records_ptr, INDIRECT)
     blk = gl.program_id(1)
-    words, s_ptr, b_ptr = _matrix_rows(base, off_gw, off_gs, off_gb, blk * RB, H, R, WORDS, MMA, True, off_uw,
+    words, s_ptr, b_ptr = _matrix_rows(base, off_gw, off_gs, off_gb, blk * RB, H, R, WORDS, STAGE, True, off_uw,
                                        off_us, off_ub)
     row = e // TOP_K
-    y = _dot(words, s_ptr, b_ptr, xf_ptr + row * H, xs_ptr + row * (H // GROUP) * 2, field, PDL, H, 1, False, R, MMA,
-             A, B, FRAG)
+    y = _dot(words, s_ptr, b_ptr, xf_ptr + row * H, xs_ptr + row * (H // GROUP) * 2, field, PDL, H, 1, R, MMA, A,
+             B, FRAG, STAGE, SUMS, ONE, LANES)
     gate, up = gl.split(gl.convert_layout(gl.permute(gl.reshape(y, [2, RB]), (1, 0)), HALVES))
     h = gate / (1.0 + gl.exp(-gate)) * up
     k = blk * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, HALVES))  # column of the down matrix
@@ -225,16 +249,17 @@ def gate_up_mma_kernel(xf_ptr, xs_ptr, hf_ptr, hs_ptr, entries_ptr, addr_ptr, re
 @gluon.jit
 def down_mma_kernel(hf_ptr, hs_ptr, y_ptr, entries_ptr, addr_ptr, records_ptr, off_dw, off_ds, off_db, field,
                     H: gl.constexpr, I: gl.constexpr, PARTS: gl.constexpr, INDIRECT: gl.constexpr, PDL: gl.constexpr,
-                    WORDS: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr):
+                    WORDS: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr,
+                    STAGE: gl.constexpr, SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr):
     """Program (i, blk): y[entries[i]] rows blk * R.. = down rows . h[i] (h in fragment order, from the gate/up
     kernel, PARTS blocks' sums a group). PDL: the words load while the gate/up kernel runs."""
     R: gl.constexpr = 16 * gl.num_warps()
     e, base = _record(entries_ptr, addr_ptr, records_ptr, INDIRECT)
     blk = gl.program_id(1)
-    words, s_ptr, b_ptr = _matrix_rows(base, off_dw, off_ds, off_db, blk * R, I, R, WORDS, MMA, False, off_dw,
+    words, s_ptr, b_ptr = _matrix_rows(base, off_dw, off_ds, off_db, blk * R, I, R, WORDS, STAGE, False, off_dw,
                                        off_ds, off_db)
     i = gl.program_id(0)
-    y = _dot(words, s_ptr, b_ptr, hf_ptr + i * I, hs_ptr + i * (I // GROUP) * PARTS * 2, field, PDL, I, PARTS,
-             I // GROUP <= 16, R, MMA, A, B, FRAG)  # K 1408: 22 groups' scales a thread make 255 registers
+    y = _dot(words, s_ptr, b_ptr, hf_ptr + i * I, hs_ptr + i * (I // GROUP) * PARTS * 2, field, PDL, I, PARTS, R,
+             MMA, A, B, FRAG, STAGE, SUMS, ONE, LANES)
     r = blk * R + gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
     gl.store(y_ptr + e * H + r, y.to(gl.bfloat16))
