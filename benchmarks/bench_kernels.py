@@ -38,6 +38,17 @@ def random_pool(layout: RecordLayout, records: int, host: bool = False) -> torch
     return buf.cpu().pin_memory() if host else buf
 
 
+def graphed_seconds(step, sets: list) -> float:
+    """Seconds a call of step(a), for a in `sets` back to back in one CUDA graph (warmed up first)."""
+    for a in sets[:2]:
+        step(a)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in sets:
+            step(a)
+    return cuda_time(graph.replay, iters=20) / len(sets)
+
+
 def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, split: bool = False) -> dict:
     """One layer's decode step, graph-captured back to back over rotating expert sets (so L2 cannot serve);
     `split` adds each kernel's own GPU time (profiled replays), so the launches' share shows."""
@@ -57,13 +68,7 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, spl
     def step(addr):
         expert_mlp.launch_decode(x, out, entries, addr, layout, top_k, h=h, cfg=cfg)
 
-    for a in sets[:2]:
-        step(a)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a in sets:
-            step(a)
-    seconds = cuda_time(graph.replay, iters=20) / calls
+    seconds = graphed_seconds(step, sets)
     nbytes = distinct * layout.record_bytes
     result = {"rows": rows, "us": seconds * 1e6, "gbs": nbytes / seconds / 1e9, "bytes": nbytes, "out": out.clone()}
     if split:  # without dependent launches, or the down kernel's time holds its wait for gate/up
@@ -252,7 +257,8 @@ def main() -> None:
             scored, first = [], None
             current = expert_mlp.tile_config(phase, layout)  # the tuned tiles so far: a sweep never regresses
             for cfg in [current] + [c for c in configs if c != current]:
-                if phase == "decode" and ((precision == "bf16" and not _fits_bf16(cfg)) or (cfg.mma and precision != "q4")):
+                no_bf16 = precision == "bf16" and not _fits_bf16(cfg)
+                if phase == "decode" and (no_bf16 or (cfg.mma and precision != "q4")):  # mma: Q4 only
                     continue
                 try:
                     if phase == "decode":  # quantized kernels timed one by one too, to compose the best of each

@@ -95,7 +95,8 @@ def layouts(warps: int, parts: int = 1) -> dict:
     none = [[0] for _ in rows]
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
     return dict(
-        WORDS=gl.DistributedLinearLayout(reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        WORDS=gl.DistributedLinearLayout(reg_bases=[[0, 1], [8, 0]],
+                                         lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
                                          warp_bases=rows, block_bases=[], shape=[16 * warps, 8]),
         MMA=mma, A=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         B=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),

@@ -1,0 +1,91 @@
+"""Where the 1-row Q4 decode's gate/up time goes: the tensor-core kernel against a kernel that only loads the
+same words in the same order (its memory floor) and XORs them, over rotating expert sets inside one CUDA graph.
+
+python -m benchmarks.decode_floor
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from benchmarks.bench_kernels import QWEN3_30B, graphed_seconds, random_pool
+from benchmarks.common import hbm_copy_gbs
+from moestream.experts.format import RecordLayout
+from moestream.kernels import expert_mma
+from moestream.kernels.expert_mlp import _offsets
+from moestream.kernels.triton.expert_mma import _matrix_rows, _record
+
+
+@gluon.jit
+def words_only_kernel(out_ptr, entries_ptr, addr_ptr, off_gw, off_uw, H: gl.constexpr, WORDS: gl.constexpr,
+                      STAGE: gl.constexpr):
+    """The gate/up kernel's word loads, all of K at once, XORed: what the step costs with no arithmetic."""
+    R: gl.constexpr = 16 * gl.num_warps()
+    e, base = _record(entries_ptr, addr_ptr, entries_ptr, False)
+    words, _, _ = _matrix_rows(base, off_gw, 0, 0, gl.program_id(1) * (R // 2), H, R, WORDS, STAGE, True, off_uw,
+                               0, 0)
+    w = ()
+    for g in gl.static_range(H // 64):  # every load issued before any is used, as the gate/up kernel does
+        w = w + (gl.load(words + g * 8),)
+    acc = w[0]
+    for g in gl.static_range(1, H // 64):
+        acc = acc ^ w[g]
+    gl.store(out_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 0, gl.max(gl.max(acc, 1), 0))
+
+
+@triton.jit
+def rows_whole_kernel(out_ptr, addr_ptr, off_gw, off_uw, H: tl.constexpr, RB: tl.constexpr):
+    """The same words, read row by row in whole 128-byte lines (Triton's coalesced layout), XORed."""
+    base = tl.load(addr_ptr + tl.program_id(0)).to(tl.pointer_type(tl.uint8))
+    r = tl.program_id(1) * RB + tl.arange(0, RB)
+    k = tl.arange(0, H // 8)
+    gate = tl.load((base + off_gw).to(tl.pointer_type(tl.int32)) + r[:, None] * (H // 8) + k[None, :])
+    up = tl.load((base + off_uw).to(tl.pointer_type(tl.int32)) + r[:, None] * (H // 8) + k[None, :])
+    acc = tl.reduce(gate ^ up, 1, _xor)
+    tl.store(out_ptr + tl.program_id(0) * 0, tl.max(acc, 0))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+def main() -> None:
+    g = QWEN3_30B
+    layout = RecordLayout.build("q4", g["hidden"], g["inter"])
+    pool = random_pool(layout, 4 * g["experts"])
+    rng = random.Random(1)
+    sets = [torch.tensor([pool[e].data_ptr() for e in rng.sample(range(pool.shape[0]), g["top_k"])], device="cuda")
+            for _ in range(64)]
+    x = torch.randn(1, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(g["top_k"], layout.hidden_size, device="cuda", dtype=torch.bfloat16)
+    entries = torch.arange(g["top_k"], device="cuda")
+    o = _offsets(layout)
+    sink = torch.empty(1, dtype=torch.int32, device="cuda")
+    gate_up_bytes = 2 * layout.intermediate_size * layout.hidden_size // 2
+    print(f"HBM copy {hbm_copy_gbs():.0f} GB/s; gate/up words {g['top_k'] * gate_up_bytes / 1e6:.1f} MB a step")
+    for warps in (2, 4, 8):
+        L = expert_mma._layouts(warps)
+        cases = {
+            "words only": lambda a, w=warps, L=L: words_only_kernel[(g["top_k"], layout.intermediate_size // (8 * w))](
+                sink, entries, a, o["gate_w"], o["up_w"], H=layout.hidden_size, WORDS=L["WORDS"], STAGE=L["STAGE"],
+                num_warps=w),
+            "whole step": lambda a, w=warps: expert_mma.launch_decode_mma(x, out, entries, a, layout, g["top_k"], o, w,
+                                                                          4),
+            "whole lines": lambda a, w=warps: rows_whole_kernel[(g["top_k"], layout.intermediate_size // (8 * w))](
+                sink, a, o["gate_w"], o["up_w"], H=layout.hidden_size, RB=8 * w, num_warps=w),
+        }
+        for name, fn in cases.items():
+            us = graphed_seconds(fn, sets) * 1e6
+            rate = g["top_k"] * gate_up_bytes / us / 1e3
+            print(f"warps {warps}, {name}: {us:.1f} us a step, words at {rate:.0f} GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
