@@ -7,7 +7,8 @@ The dot product runs over K in an order of our choosing, the same for weights an
 writes the activations in that order ("fragment order": per group of 64, lane t's 16 values in its registers'
 order), the odd nibbles' activations divided by 16, together with each group's sum and -1024 x its fragment sum.
 The MMA's accumulator starts at the latter, so that it holds sum(q x) of the group; scale and bias then apply
-once per group in fp32. The gate/up kernel writes h in the same order for the down kernel.
+once per group in fp32. The gate/up kernel writes h in the same order for the down kernel. x and h pass through
+fp16: exact for bf16 values in fp16's normal range, infinite past 65504 (one reason this path is opt-in).
 """
 
 import triton
