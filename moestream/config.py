@@ -284,7 +284,7 @@ class ExpertConfig:
     ring_lookahead: bool = True  # prefill: the next layer's ring fetches start early (v7, 16 a batch: 90% of bound)
     prefill_min_rows: int = 32  # a layer step with this many rows streams its misses through the ring
     # the whole model in the pool: prefill builds its grouping and tiles on the GPU, so no layer waits for the
-    # host's decisions (1.45 ms a 30B layer at 4096 tokens); off until it has run on a GPU (NOTES, session 18)
+    # host's decisions; off: on the H200 it kept the tokens but did not beat the host path (NOTES, session 19)
     prefill_in_place: bool = False
     read_threads: int = 8
     staging_records: int = 16  # pinned staging buffers when there is no host tier

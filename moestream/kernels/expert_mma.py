@@ -12,6 +12,7 @@ from moestream.experts.format import RecordLayout
 from moestream.kernels.launch import dependent, options
 
 
+@functools.cache  # asked at every eager decode launch
 def supported(layout: RecordLayout, warps: int, warps_down: int) -> bool:
     """Whether the kernels cover this geometry: Q4, groups of 64, I in blocks of 8 x warps rows, H in 16 x
     warps_down."""

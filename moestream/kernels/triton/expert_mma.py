@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moestream.kernels.triton.launch import dependent_start
 
@@ -113,17 +114,6 @@ def layouts(warps: int, parts: int = 1) -> dict:
 
 
 @gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
 def _record(entries_ptr, addr_ptr, records_ptr, INDIRECT: gl.constexpr):
     """(routing entry of this program, its record's byte pointer)."""
     i = gl.program_id(0)
@@ -182,7 +172,7 @@ def _dot(words, s_ptr, b_ptr, xf_ptr, xs_ptr, field, WAIT: gl.constexpr, K: gl.c
     scales = _staged(s_ptr, G, GP, STAGE, SHARED)
     biases = _staged(b_ptr, G, GP, STAGE, SHARED)
     if WAIT:
-        _gdc_wait()
+        gdc_wait()
     gs = gl.arange(0, GP, layout=gl.SliceLayout(1, STAGE))
     ks = gl.arange(0, GROUP, layout=gl.SliceLayout(0, STAGE))
     x = gl.load(xf_ptr + gs[:, None] * GROUP + ks[None, :], mask=(gs < G)[:, None], other=0.0)
@@ -227,7 +217,7 @@ def gate_up_mma_kernel(xf_ptr, xs_ptr, hf_ptr, hs_ptr, entries_ptr, addr_ptr, re
     R: gl.constexpr = 16 * gl.num_warps()
     RB: gl.constexpr = R // 2
     if PDL:
-        _gdc_launch_dependents()
+        gdc_launch_dependents()
     e, base = _record(entries_ptr, addr_ptr, records_ptr, INDIRECT)
     blk = gl.program_id(1)
     words, s_ptr, b_ptr = _matrix_rows(base, off_gw, off_gs, off_gb, blk * RB, H, R, WORDS, STAGE, True, off_uw,
