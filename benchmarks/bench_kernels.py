@@ -83,7 +83,7 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, spl
                 alone.replay()
             torch.cuda.synchronize()
         for e in prof.key_averages():
-            if "gemv_kernel" in e.key or "mma_kernel" in e.key or "prepare_kernel" in e.key:  # device time a call
+            if any(k in e.key for k in ("gemv_kernel", "mma_kernel", "prepare_kernel", "fused_decode_kernel")):
                 name = e.key.replace("_gemv_kernel", "").replace("_kernel", "")  # mma's never compose with GEMVs'
                 result[f"{name}_us"] = e.device_time_total / max(e.count, 1)
     return result
@@ -151,6 +151,13 @@ DECODE_FIRST = [TileConfig(1, 16, 2048, 32, 1024, 4, 1), TileConfig(1, 8, 2048, 
 # warps_down the down program's (16 rows a warp). Offline sm_90: gate/up 4 warps 1.59 instructions a code, 208
 # registers; down 4 warps 1.79, 151 registers (the GEMVs: 3.39 and 5.08).
 MMA_FIRST = [TileConfig(1, 8, 2048, 16, 1024, w, 1, 0, wd, mma=1) for w, wd in [(4, 4), (2, 2), (4, 2), (8, 4), (2, 4)]]
+# gate/up and down tiles in one launch (triton/expert_fused.py): a launch's ramp and drain are the 1-row floor
+# (decode_floor.py), paid once a layer, not twice. Offline sm_90, the committed tiles fused: 128 registers (gate/up's
+# alone: 128; down's: 48), so the down tiles run at gate/up's occupancy.
+FUSED_FIRST = [TileConfig(1, bn, bk, bnd, bkd, w, s, fused=1) for bn, bk, bnd, bkd, w, s in
+               [(8, 2048, 16, 1024, 2, 1), (16, 2048, 32, 1024, 4, 1), (8, 2048, 32, 1024, 2, 1),
+                (8, 1024, 16, 256, 2, 2), (16, 1024, 32, 256, 4, 2), (8, 2048, 16, 1024, 4, 1),
+                (4, 2048, 16, 1024, 2, 1), (16, 2048, 16, 1024, 4, 1), (32, 2048, 64, 1024, 8, 1)]]
 
 
 # Graphed host-tier decode reads each miss in place over PCIe, where the pieces a load covers matter, not the
@@ -193,7 +200,8 @@ def decode_configs(quick: bool):
     out = [TileConfig(1, bn, bk, bnd, bkd, w, s) for bn, bk, bnd, bkd, w, s in grid
            if 1024 * w <= bn * bk <= 16384 * w and 1024 * w <= bnd * bkd <= 16384 * w]
     random.Random(0).shuffle(out)
-    return MMA_FIRST + DECODE_FIRST + [c for c in out if c not in DECODE_FIRST][: 10 if quick else 54]
+    first = FUSED_FIRST + DECODE_FIRST + ([] if quick else MMA_FIRST)  # mma: slower than the GEMVs (session 19)
+    return first + [c for c in out if c not in DECODE_FIRST][: 6 if quick else 54]
 
 
 # First in every prefill sweep: BM 256 holds a whole expert's rows at 4096 tokens (about 256 per expert), so

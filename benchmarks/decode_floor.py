@@ -1,12 +1,17 @@
-"""Where the 1-row Q4 decode's gate/up time goes: the tensor-core kernel against a kernel that only loads the
-same words in the same order (its memory floor) and XORs them, over rotating expert sets inside one CUDA graph.
+"""Where the 1-row Q4 decode's time goes, over rotating expert sets inside one CUDA graph: the tensor-core gate/up
+kernel against kernels that only load the same words (its memory floor) and XOR them; then a whole layer's step
+(the GEMV pair, fused in one launch with and without dependent launch) against one launch that reads its 8
+records' bytes flat, in whole lines.
 
 python -m benchmarks.decode_floor
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+from unittest import mock
 
 import torch
 import triton
@@ -17,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from benchmarks.bench_kernels import QWEN3_30B, graphed_seconds, random_pool
 from benchmarks.common import hbm_copy_gbs
 from moestream.experts.format import RecordLayout
-from moestream.kernels import expert_mma
+from moestream.kernels import expert_mlp, expert_mma
 from moestream.kernels.expert_mlp import _offsets
 from moestream.kernels.triton.expert_mma import _matrix_rows, _record
 
@@ -49,6 +54,15 @@ def rows_whole_kernel(out_ptr, addr_ptr, off_gw, off_uw, H: tl.constexpr, RB: tl
     up = tl.load((base + off_uw).to(tl.pointer_type(tl.int32)) + r[:, None] * (H // 8) + k[None, :])
     acc = tl.reduce(gate ^ up, 1, _xor)
     tl.store(out_ptr + tl.program_id(0) * 0, tl.max(acc, 0))
+
+
+@triton.jit
+def flat_read_kernel(out_ptr, addr_ptr, NBYTES: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (e, j) reads bytes j * CHUNK.. of record e (int32 words, whole lines, masked past NBYTES), XORed."""
+    base = tl.load(addr_ptr + tl.program_id(0)).to(tl.pointer_type(tl.int32))
+    w = tl.program_id(1) * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
+    acc = tl.reduce(tl.load(base + w, mask=w < NBYTES // 4, other=0), 0, _xor)
+    tl.store(out_ptr + tl.program_id(0) * 0, acc)
 
 
 @triton.jit
@@ -85,6 +99,26 @@ def main() -> None:
             us = graphed_seconds(fn, sets) * 1e6
             rate = g["top_k"] * gate_up_bytes / us / 1e3
             print(f"warps {warps}, {name}: {us:.1f} us a step, words at {rate:.0f} GB/s", flush=True)
+    layer_bytes = g["top_k"] * layout.record_bytes
+    h = torch.empty(g["top_k"], layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    tiles = expert_mlp.tile_config("decode", layout)
+    steps = {
+        "GEMV pair": lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, g["top_k"], h=h,
+                                                        cfg=dataclasses.replace(tiles, fused=0)),
+        "fused": lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, g["top_k"], h=h,
+                                                    cfg=dataclasses.replace(tiles, fused=1)),
+    }
+    for chunk in (4096, 16384):
+        steps[f"flat read, {chunk} B a program"] = lambda a, c=chunk: flat_read_kernel[
+            (g["top_k"], -(-layout.record_bytes // c))](sink, a, NBYTES=layout.record_bytes, CHUNK=c, num_warps=4)
+    print(f"whole layer: {layer_bytes / 1e6:.1f} MB a step; tiles {tiles}")
+    for pdl in ("down", "off"):
+        with mock.patch.dict(os.environ, {"MOESTREAM_PDL": pdl}):
+            for name, fn in steps.items():
+                if pdl == "off" and name.startswith("flat"):
+                    continue
+                us = graphed_seconds(fn, sets) * 1e6
+                print(f"PDL {pdl}, {name}: {us:.1f} us a step, {layer_bytes / us / 1e3:.0f} GB/s", flush=True)
 
 
 if __name__ == "__main__":

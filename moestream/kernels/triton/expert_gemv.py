@@ -154,34 +154,16 @@ def _program(entries_ptr, records_ptr, INDIRECT: tl.constexpr):
 
 
 @triton.jit
-def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_gw, off_gh, off_gs,
-                        off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
-                        TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
-                        INDIRECT: tl.constexpr, WAIT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr,
-                        TAIL2: tl.constexpr):
-    """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
+def gate_up_rows(xrow, base, n, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, field_mask,
+                 H: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 SPAN: tl.constexpr, AHEAD: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
+    """[BN] fp32: silu(xrow @ gate[n].T) * (xrow @ up[n].T) for the record at `base`.
 
     AHEAD (0 to 3) chunks load before chunk k0 computes (Triton's pipeliner leaves loads that feed no tl.dot
     alone): a program's code loop takes every word of its chunk for each code position, so it computes only
-    once the whole chunk is in, and chunks loaded ahead are what arrives meanwhile. PDL lets the down
-    kernel start early (programmatic dependent launch), to read its weights while this one runs; WAIT: this one
-    was launched as a dependent too. INDIRECT: program i's record address is tile_addr[records[i]] (a layer's
-    address table indexed by expert id). SELECT (mixed precision, INDIRECT): only the entries whose record has
-    bits_ptr[records[i]] == BITS; another launch computes the others. The chunk loop covers columns 0..SPAN (a
-    multiple of BK, masked past H); the columns past SPAN go in parts of TAIL1 and TAIL2 (0: none), loaded with
-    the first chunk."""
-    if WAIT:
-        dependent_start(True)
-    elif PDL:
-        gdc_launch_dependents()
-    i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
-    if SELECT:
-        if tl.load(bits_ptr + record) != BITS:
-            return
-    base = record_base(tile_addr_ptr, record)
-    xrow = x_ptr + (e // TOP_K) * H
-    n = pid_n * BN + tl.arange(0, BN)
+    once the whole chunk is in, and chunks loaded ahead are what arrives meanwhile. The chunk loop covers columns
+    0..SPAN (a multiple of BK, masked past H); the columns past SPAN go in parts of TAIL1 and TAIL2 (0: none),
+    loaded with the first chunk."""
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     MAIN: tl.constexpr = SPAN if SPAN < H else H  # zeros from here on, nothing read
     if TAIL1 > 0:
@@ -227,28 +209,28 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
         k2: tl.constexpr = SPAN + TAIL1
         g += _span_sum(g2w, g2h, base, off_gs, off_gb, n, xrow, k2, field_mask, H, BITS, GROUP, BN, TAIL2)
         u += _span_sum(u2w, u2h, base, off_us, off_ub, n, xrow, k2, field_mask, H, BITS, GROUP, BN, TAIL2)
-    h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
-def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_dw, off_dh, off_ds,
-                     off_db, field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
-                     INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (SPAN, AHEAD, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
-    Launched with PDL it may start before gate_up has finished: the first chunk's weights load before it waits
-    for h."""
-    i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
-    if SELECT:
-        if tl.load(bits_ptr + record) != BITS:
-            return
-    base = record_base(tile_addr_ptr, record)
-    n = pid_n * BN + tl.arange(0, BN)
+def await_count(count_ptr, count):
+    """Spin until *count_ptr reaches `count`, then acquire: what its writers stored before their release is seen
+    by every thread of the program."""
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < count:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def down_rows(hrow, base, n, off_dw, off_dh, off_ds, off_db, field_mask, count_ptr, count, I: tl.constexpr,
+              BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
+              AHEAD: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr, WAIT: tl.constexpr):
+    """[BN] fp32: hrow @ down[n].T (SPAN, AHEAD, TAIL1/2 as in gate_up_rows). The first chunk's weights load
+    before h is awaited: WAIT 1 for the kernel before (programmatic dependent launch), 2 for *count_ptr to reach
+    `count` (`await_count`), 0 not at all."""
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     MAIN: tl.constexpr = SPAN if SPAN < I else I
     acc = tl.zeros((BN, W), dtype=tl.float32)
-    hrow = h_ptr + i * I
     dw, dh = _gemv_load(base, off_dw, off_dh, n, 0, I, BITS, BK, MAIN)
     if AHEAD > 1:
         dw1, dh1 = _gemv_load(base, off_dw, off_dh, n, BK, I, BITS, BK, MAIN)
@@ -258,8 +240,10 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
         d1w, d1h = _gemv_load(base, off_dw, off_dh, n, SPAN, I, BITS, TAIL1, I)
     if TAIL2 > 0:
         d2w, d2h = _gemv_load(base, off_dw, off_dh, n, SPAN + TAIL1, I, BITS, TAIL2, I)
-    if PDL:
-        gdc_wait()  # h is the gate/up kernel's output
+    if WAIT == 1:
+        gdc_wait()
+    elif WAIT == 2:
+        await_count(count_ptr, count)
     for k0 in range(0, SPAN, BK):
         if AHEAD > 0:  # AHEAD chunks in flight while this one computes (past SPAN: masked, nothing read)
             dwn, dhn = _gemv_load(base, off_dw, off_dh, n, k0 + AHEAD * BK, I, BITS, BK, MAIN)
@@ -279,4 +263,51 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
         y += _span_sum(d1w, d1h, base, off_ds, off_db, n, hrow, SPAN, field_mask, I, BITS, GROUP, BN, TAIL1)
     if TAIL2 > 0:
         y += _span_sum(d2w, d2h, base, off_ds, off_db, n, hrow, SPAN + TAIL1, field_mask, I, BITS, GROUP, BN, TAIL2)
+    return y
+
+
+@triton.jit
+def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_gw, off_gh, off_gs,
+                        off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
+                        TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+                        INDIRECT: tl.constexpr, WAIT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr,
+                        TAIL2: tl.constexpr):
+    """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
+
+    PDL lets the down kernel start early (programmatic dependent launch), to read its weights while this one
+    runs; WAIT: this one was launched as a dependent too. INDIRECT: program i's record address is
+    tile_addr[records[i]] (a layer's address table indexed by expert id). SELECT (mixed precision, INDIRECT): only
+    the entries whose record has bits_ptr[records[i]] == BITS; another launch computes the others. SPAN, AHEAD,
+    TAIL1/2: `gate_up_rows`."""
+    if WAIT:
+        dependent_start(True)
+    elif PDL:
+        gdc_launch_dependents()
+    i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
+    if SELECT:
+        if tl.load(bits_ptr + record) != BITS:
+            return
+    n = pid_n * BN + tl.arange(0, BN)
+    h = gate_up_rows(x_ptr + (e // TOP_K) * H, record_base(tile_addr_ptr, record), n, off_gw, off_gh, off_gs,
+                     off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H, BITS, GROUP, BN, BK, SPAN, AHEAD, TAIL1,
+                     TAIL2)
+    tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
+
+
+@triton.jit
+def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_dw, off_dh, off_ds,
+                     off_db, field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+                     INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
+    """Decode: y[entries[i]] = h[i] @ down.T (SPAN, AHEAD, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
+    Launched with PDL it may start before gate_up has finished: the first chunk's weights load before it waits
+    for h."""
+    i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
+    if SELECT:
+        if tl.load(bits_ptr + record) != BITS:
+            return
+    n = pid_n * BN + tl.arange(0, BN)
+    y = down_rows(h_ptr + i * I, record_base(tile_addr_ptr, record), n, off_dw, off_dh, off_ds, off_db, field_mask,
+                  entries_ptr, 0, I, BITS, GROUP, BN, BK, SPAN, AHEAD, TAIL1, TAIL2, 1 if PDL else 0)
     tl.store(y_ptr + e * H + n, y.to(y_ptr.dtype.element_ty))
