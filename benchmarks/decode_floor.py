@@ -1,17 +1,16 @@
 """Where the 1-row Q4 decode's time goes, over rotating expert sets inside one CUDA graph: the tensor-core gate/up
 kernel against kernels that only load the same words (its memory floor) and XOR them; then a whole layer's step
-(the GEMV pair, fused in one launch with and without dependent launch) against one launch that reads its 8
-records' bytes flat, in whole lines.
+(the GEMV pair, fused in one launch, on tensor cores) against one launch that reads its 8 records' bytes flat,
+in whole lines; each from HBM and with its records in L2.
 
-python -m benchmarks.decode_floor
+python -m benchmarks.decode_floor [--layer]   (--layer: the whole-layer part only)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-from unittest import mock
+import sys
 
 import torch
 import triton
@@ -23,7 +22,7 @@ from benchmarks.bench_kernels import QWEN3_30B, graphed_seconds, random_pool
 from benchmarks.common import hbm_copy_gbs
 from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp, expert_mma
-from moestream.kernels.expert_mlp import _offsets
+from moestream.kernels.expert_mlp import TileConfig, _offsets
 from moestream.kernels.triton.expert_mma import _matrix_rows, _record
 
 
@@ -84,7 +83,7 @@ def main() -> None:
     sink = torch.empty(1, dtype=torch.int32, device="cuda")
     gate_up_bytes = 2 * layout.intermediate_size * layout.hidden_size // 2
     print(f"HBM copy {hbm_copy_gbs():.0f} GB/s; gate/up words {g['top_k'] * gate_up_bytes / 1e6:.1f} MB a step")
-    for warps in (2, 4, 8):
+    for warps in () if "--layer" in sys.argv else (2, 4, 8):
         L = expert_mma._layouts(warps)
         cases = {
             "words only": lambda a, w=warps, L=L: words_only_kernel[(g["top_k"], layout.intermediate_size // (8 * w))](
@@ -102,24 +101,20 @@ def main() -> None:
     layer_bytes = g["top_k"] * layout.record_bytes
     h = torch.empty(g["top_k"], layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
     tiles = expert_mlp.tile_config("decode", layout)
-    steps = {
-        "GEMV pair": lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, g["top_k"], h=h,
-                                                        cfg=dataclasses.replace(tiles, fused=0)),
-        "fused": lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, g["top_k"], h=h,
-                                                    cfg=dataclasses.replace(tiles, fused=1)),
-    }
-    for chunk in (4096, 16384):
-        steps[f"flat read, {chunk} B a program"] = lambda a, c=chunk: flat_read_kernel[
-            (g["top_k"], -(-layout.record_bytes // c))](sink, a, NBYTES=layout.record_bytes, CHUNK=c, num_warps=4)
-    print(f"whole layer: {layer_bytes / 1e6:.1f} MB a step; tiles {tiles}")
-    for pdl in ("down", "off"):
-        with mock.patch.dict(os.environ, {"MOESTREAM_PDL": pdl}):
-            for name, fn in steps.items():
-                if pdl == "off" and name.startswith("flat"):
-                    continue
-                us = graphed_seconds(fn, sets) * 1e6
-                print(f"PDL {pdl}, {name}: {us:.1f} us a step, {layer_bytes / us / 1e3:.0f} GB/s", flush=True)
 
+    def step(cfg):
+        return lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, g["top_k"], h=h, cfg=cfg)
+    steps = {f"GEMV pair {tiles}": step(dataclasses.replace(tiles, fused=0)),
+             "fused (16, 2048, 32, 1024), 4 warps": step(TileConfig(1, 16, 2048, 32, 1024, 4, 1, fused=1)),
+             "mma pair, 4 + 4 warps": step(TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4, mma=1))}
+    for chunk, warps in [(8192, 4), (16384, 4), (32768, 4), (32768, 8), (65536, 8)]:
+        steps[f"flat read, {chunk // 1024} KB a program, {warps} warps"] = lambda a, c=chunk, w=warps: flat_read_kernel[
+            (g["top_k"], -(-layout.record_bytes // c))](sink, a, NBYTES=layout.record_bytes, CHUNK=c, num_warps=w)
+    # the same 8 records every step stay in L2 (50 MB): what a step costs when HBM is not the limit
+    print(f"whole layer: {layer_bytes / 1e6:.1f} MB a step, from HBM (rotating sets) and from L2 (one set)")
+    for name, fn in steps.items():
+        hbm, l2 = graphed_seconds(fn, sets) * 1e6, graphed_seconds(fn, sets[:1] * len(sets)) * 1e6
+        print(f"{name}: HBM {hbm:.1f} us a step ({layer_bytes / hbm / 1e3:.0f} GB/s), L2 {l2:.1f} us", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -215,11 +215,9 @@ def gate_up_rows(xrow, base, n, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, 
 @triton.jit
 def await_count(count_ptr, count):
     """Spin until *count_ptr reaches `count`, then acquire: what its writers stored before their release is seen
-    by every thread of the program. The spin polls relaxed: each acquire invalidates the SM's L1, where the
-    gate/up tiles beside it keep their activations."""
-    while tl.load(count_ptr, volatile=True) < count:
-        pass
-    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < count:  # once: an unread acquire is dropped
+    by every thread of the program. One thread polls with acquire loads (H200: 13.9 us a 1-row step; every warp
+    polling relaxed, with one acquire after: 17.5)."""
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < count:
         pass
     tl.debug_barrier()
 
