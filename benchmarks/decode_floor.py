@@ -1,7 +1,7 @@
 """Where the 1-row Q4 decode's time goes, over rotating expert sets inside one CUDA graph: the tensor-core gate/up
 kernel against kernels that only load the same words (its memory floor) and XOR them; then a whole layer's step
-(the GEMV pair, fused in one launch, persistent, on tensor cores) against one launch that reads its 8 records' bytes flat,
-in whole lines; each from HBM and with its records in L2.
+(the GEMV pair, fused in one launch, persistent, on tensor cores) against one launch that reads its 8 records'
+bytes flat, in whole lines; each from HBM and with its records in L2.
 
 python -m benchmarks.decode_floor [--layer]   (--layer: the whole-layer part only)
 """
