@@ -129,8 +129,9 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
         down = _chunks(inter, cfg.bk_down, cfg.masked_tail)
         fused_decode_kernel[(n * (inter // cfg.bn_gate_up + hidden // cfg.bn_down),)](
             x, h, out, entries, addr, records, record_bits, expert_fused.arrival_counts(x.device), n, *o.values(),
-            field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group, BN_UP=cfg.bn_gate_up, AHEAD_UP=ahead,
-            **{f"{k}_UP": v for k, v in up.items()}, BN_DOWN=cfg.bn_down, AHEAD_DOWN=min(stages_down - 1, 3),
+            field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group, BN_UP=cfg.bn_gate_up,
+            AHEAD_UP=ahead, **{f"{k}_UP": v for k, v in up.items()}, BN_DOWN=cfg.bn_down,
+            AHEAD_DOWN=min(stages_down - 1, 3),
             **{f"{k}_DOWN": v for k, v in down.items()}, PDL=pdl, INDIRECT=indirect, SELECT=select,
             num_warps=cfg.num_warps, num_stages=1, **options(pdl))
         return
