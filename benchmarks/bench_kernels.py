@@ -155,11 +155,6 @@ MMA_FIRST = [TileConfig(1, 8, 2048, 16, 1024, w, 1, 0, wd, mma=1) for w, wd in [
 # sm_90, the committed tiles fused: 128 registers (gate/up's alone: 128; down's: 48). H200 (session 20): no faster
 # than the pair at 1 row (13.2-13.9 us against 13.5; from L2 11.2 against 11.1) and slower at 4 (34.8 against 31.9),
 # so the quick sweep, which ranks by 1 row, leaves it out.
-# Persistent one-launch tiles (fused 2): as many programs as fit, each loading its next tile's whole rows while it
-# computes one, so the layer's loads and arithmetic overlap. Offline sm_90: (8, 16) at 2 warps 254 registers, (4, 16)
-# at 2 warps 199, (8, 16) and (8, 32) at 4 warps 168; no spills.
-PERSISTENT_FIRST = [TileConfig(1, bn, 2048, bnd, 1024, w, 1, fused=2) for bn, bnd, w in
-                    [(8, 16, 2), (4, 16, 2), (8, 16, 4), (8, 32, 4), (4, 8, 2), (16, 32, 4)]]
 FUSED_FIRST = [TileConfig(1, bn, bk, bnd, bkd, w, s, fused=1) for bn, bk, bnd, bkd, w, s in
                [(8, 2048, 16, 1024, 2, 1), (16, 2048, 32, 1024, 4, 1), (8, 2048, 32, 1024, 2, 1),
                 (8, 1024, 16, 256, 2, 2), (16, 1024, 32, 256, 4, 2), (8, 2048, 16, 1024, 4, 1),
@@ -206,7 +201,7 @@ def decode_configs(quick: bool):
     out = [TileConfig(1, bn, bk, bnd, bkd, w, s) for bn, bk, bnd, bkd, w, s in grid
            if 1024 * w <= bn * bk <= 16384 * w and 1024 * w <= bnd * bkd <= 16384 * w]
     random.Random(0).shuffle(out)
-    first = PERSISTENT_FIRST + DECODE_FIRST + ([] if quick else FUSED_FIRST + MMA_FIRST)  # both: slower than the pair
+    first = DECODE_FIRST + ([] if quick else FUSED_FIRST + MMA_FIRST)  # both slower than the GEMV pair
     return first + [c for c in out if c not in DECODE_FIRST][: 6 if quick else 54]
 
 

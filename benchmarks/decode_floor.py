@@ -1,7 +1,7 @@
 """Where the 1-row Q4 decode's time goes, over rotating expert sets inside one CUDA graph: the tensor-core gate/up
 kernel against kernels that only load the same words (its memory floor) and XOR them; then a whole layer's step
-(the GEMV pair, fused in one launch, persistent, on tensor cores) against one launch that reads its 8 records'
-bytes flat, in whole lines; each from HBM and with its records in L2.
+(the GEMV pair, fused in one launch, on tensor cores) against one launch that reads its 8 records' bytes flat,
+in whole lines; each from HBM and with its records in L2.
 
 python -m benchmarks.decode_floor [--layer]   (--layer: the whole-layer part only)
 """
@@ -107,8 +107,6 @@ def main() -> None:
     steps = {f"GEMV pair {tiles}": step(dataclasses.replace(tiles, fused=0)),
              "fused (16, 2048, 32, 1024), 4 warps": step(TileConfig(1, 16, 2048, 32, 1024, 4, 1, fused=1)),
              "mma pair, 4 + 4 warps": step(TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4, mma=1))}
-    for bn, bnd, warps in [(8, 16, 2), (4, 16, 2), (8, 16, 4), (8, 32, 4), (4, 8, 2)]:
-        steps[f"persistent ({bn}, {bnd}), {warps} warps"] = step(TileConfig(1, bn, 2048, bnd, 1024, warps, 1, fused=2))
     for chunk, warps in [(8192, 4), (16384, 4), (32768, 4), (32768, 8), (65536, 8)]:
         steps[f"flat read, {chunk // 1024} KB a program, {warps} warps"] = lambda a, c=chunk, w=warps: flat_read_kernel[
             (g["top_k"], -(-layout.record_bytes // c))](sink, a, NBYTES=layout.record_bytes, CHUNK=c, num_warps=w)

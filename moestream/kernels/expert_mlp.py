@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.experts.format import RecordLayout
-from moestream.kernels import expert_fused, expert_mma
+from moestream.kernels import expert_mma
 from moestream.kernels.launch import dependent, options
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "expert_mlp.json")
@@ -42,8 +42,7 @@ class TileConfig:
     affine_ahead: int = 0  # prefill: 1 = scales and biases a K step ahead (down and joined gate/up tiles)
     tail_bm: int = 0  # prefill: an expert's last tile of at most tail_bm entries goes in a launch of that height
     mma: int = 0  # decode: 1 = Q4 on tensor cores (expert_mma.py; num_warps and warps_down its only tiles)
-    fused: int = 0  # decode: gate/up and down tiles in one launch (expert_fused.py; num_warps for both): 1 = a
-    # program a tile, 2 = as many programs as fit at once, each loading its next tile while it computes one
+    fused: int = 0  # decode: 1 = gate/up and down tiles in one launch (triton/expert_fused.py; num_warps for both)
 
     @property
     def down(self) -> tuple[int, int]:
@@ -118,20 +117,16 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     record_bits = record_bits if select else entries  # unread unless select
     # decode "stages": S = S - 1 chunks' loads in flight (up to 3) while one computes
     (warps_down, stages_down), ahead = cfg.down, min(cfg.num_stages - 1, 3)
-    if cfg.fused and n <= expert_fused.COUNTED_ENTRIES:
+    if cfg.fused and n <= COUNTED_ENTRIES:
         from moestream.kernels.triton.expert_fused import fused_decode_kernel
 
         pdl = dependent(x, "down")
-        if cfg.fused == 2 and not select and expert_fused.launch_persistent(
-                x, h, out, entries, addr, records, n, o, field_mask, layout, top_k, cfg, indirect, pdl, options(pdl)):
-            return
         up = _chunks(hidden, cfg.bk_gate_up, cfg.masked_tail)
         down = _chunks(inter, cfg.bk_down, cfg.masked_tail)
         fused_decode_kernel[(n * (inter // cfg.bn_gate_up + hidden // cfg.bn_down),)](
-            x, h, out, entries, addr, records, record_bits, expert_fused.arrival_counts(x.device), n, *o.values(),
-            field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group, BN_UP=cfg.bn_gate_up,
-            AHEAD_UP=ahead, **{f"{k}_UP": v for k, v in up.items()}, BN_DOWN=cfg.bn_down,
-            AHEAD_DOWN=min(stages_down - 1, 3),
+            x, h, out, entries, addr, records, record_bits, _arrival_counts(x.device), n, *o.values(), field_mask,
+            H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group, BN_UP=cfg.bn_gate_up, AHEAD_UP=ahead,
+            **{f"{k}_UP": v for k, v in up.items()}, BN_DOWN=cfg.bn_down, AHEAD_DOWN=min(stages_down - 1, 3),
             **{f"{k}_DOWN": v for k, v in down.items()}, PDL=pdl, INDIRECT=indirect, SELECT=select,
             num_warps=cfg.num_warps, num_stages=1, **options(pdl))
         return
@@ -146,6 +141,15 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
         H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, AHEAD=min(stages_down - 1, 3), PDL=pdl,
         INDIRECT=indirect, SELECT=select, **_chunks(inter, cfg.bk_down, cfg.masked_tail), num_warps=warps_down,
         num_stages=1, **options(pdl))
+
+
+COUNTED_ENTRIES = 4096  # the most routing entries a fused decode launch takes (past that: two launches)
+
+
+@functools.cache  # one buffer a device for good: captured graphs hold its address
+def _arrival_counts(device: torch.device) -> torch.Tensor:
+    """The fused decode kernel's two int32 counters an entry, zeroed: its launches leave them zeroed."""
+    return torch.zeros(2 * COUNTED_ENTRIES, dtype=torch.int32, device=device)
 
 
 @functools.cache

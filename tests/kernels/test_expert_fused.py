@@ -1,4 +1,4 @@
-"""Decode in one launch (TileConfig.fused 1 and 2, triton/expert_fused.py) computes the same bits as the two GEMV
+"""Decode in one launch (TileConfig.fused, triton/expert_fused.py) computes the same bits as the two GEMV
 launches: precisions, shapes, slot tables with gaps and repeats, the table by expert id, mixed precision, and
 launch after launch (its counters left zeroed), graph-replayed on the GPU. Runs on CPU under TRITON_INTERPRET=1."""
 
@@ -32,13 +32,13 @@ def _case(precision, hidden, inter, rows, top_k, seed=0):
 
 
 def _both(layout, x, top_k, tiles, n, launch):
-    """Outputs of `launch(out, cfg)` with the two-launch tiles, then each fused kind twice (the second launch reads
-    the counters the first left)."""
+    """Outputs of `launch(out, cfg)` with the two-launch tiles, then fused twice (the second launch reads the
+    counters the first left)."""
     from moestream.kernels.expert_mlp import TileConfig
 
     cfg = TileConfig(*tiles)
     outs = []
-    for each in (cfg, *(dataclasses.replace(cfg, fused=kind) for kind in (1, 1, 2, 2))):
+    for each in (cfg, dataclasses.replace(cfg, fused=1), dataclasses.replace(cfg, fused=1)):
         out = torch.full((n, layout.hidden_size), float("nan"), dtype=DTYPE, device=DEVICE)
         launch(out, each)
         outs.append(out)
@@ -46,14 +46,12 @@ def _both(layout, x, top_k, tiles, n, launch):
 
 
 def _assert_same(outs):
-    from moestream.kernels import expert_fused
+    from moestream.kernels import expert_mlp
 
     assert not torch.isnan(outs[0]).any()
-    assert all(torch.equal(out, outs[0]) for out in outs[1:3]), "a tile a program: the pair's bits"
-    assert torch.equal(outs[3], outs[4]), "persistent: the same bits launch after launch"
-    # persistent programs sum each row's K in one piece: the pair's bits where its tiles do too
-    assert (outs[3].float() - outs[0].float()).norm() <= 1e-2 * outs[0].float().norm()
-    assert not expert_fused.arrival_counts(outs[0].device).any(), "a launch left its counters set"
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert not expert_mlp._arrival_counts(outs[0].device).any(), "a launch left its counters set"
 
 
 @pytest.mark.parametrize("precision", ["q4", "bf16", "q3", "q2"])
@@ -103,11 +101,10 @@ def test_mixed_precision(miss):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="CUDA graphs")
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("kind", [1, 2])
-def test_graph_replays(rows, kind):
+def test_graph_replays(rows):
     """Replayed back to back in one graph over changing expert sets, each step equals its eager two-launch
     result: every launch finds its counters zeroed."""
-    from moestream.kernels import expert_fused, expert_mlp
+    from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
     layout, buf, x, entries, picks = _case("q4", 2048, 768, rows, 8, seed=2)
@@ -120,7 +117,7 @@ def test_graph_replays(rows, kind):
         out = torch.empty(n, layout.hidden_size, dtype=DTYPE, device=DEVICE)
         expert_mlp.launch_decode(x, out, entries, addr, layout, 8, cfg=cfg)
         want.append(out)
-    fused = dataclasses.replace(cfg, fused=kind)
+    fused = dataclasses.replace(cfg, fused=1)
     outs = [torch.empty(n, layout.hidden_size, dtype=DTYPE, device=DEVICE) for _ in range(steps)]
     for out, addr in zip(outs, tables):  # compiled outside the capture
         expert_mlp.launch_decode(x, out, entries, addr, layout, 8, cfg=fused)
@@ -134,4 +131,4 @@ def test_graph_replays(rows, kind):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(o, w) for o, w in zip(outs, want))
-    assert not expert_fused.arrival_counts(x.device).any()
+    assert not expert_mlp._arrival_counts(x.device).any()
