@@ -202,7 +202,7 @@ def decode_configs(quick: bool):
            if 1024 * w <= bn * bk <= 16384 * w and 1024 * w <= bnd * bkd <= 16384 * w]
     random.Random(0).shuffle(out)
     first = DECODE_FIRST + ([] if quick else FUSED_FIRST + MMA_FIRST)  # both slower than the GEMV pair
-    return first + [c for c in out if c not in DECODE_FIRST][: 6 if quick else 54]
+    return first + [c for c in out if c not in DECODE_FIRST][: 10 if quick else 54]
 
 
 # First in every prefill sweep: BM 256 holds a whole expert's rows at 4096 tokens (about 256 per expert), so
