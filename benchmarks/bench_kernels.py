@@ -298,9 +298,9 @@ def main() -> None:
                     scored.append((r[0]["gbs"], composed, r))
                     results[phase].append({"precision": precision, "config": dataclasses.asdict(composed), "runs": r,
                                            "composed": True})
-            if phase == "decode":  # ranked by 1 row, never at a cost at 4: the tuned tiles' 4-row time + 5% at most
-                bar = 1.05 * scored[0][2][1]["us"]
-                scored = [t for t in scored if t[2][1]["us"] <= bar]
+            tuned = [r for _, c, r in scored if c == current]
+            if phase == "decode" and tuned:  # ranked by 1 row, never at a cost at 4: the tuned tiles' time + 5%
+                scored = [t for t in scored if t[2][1]["us"] <= 1.05 * tuned[0][1]["us"]]
             scored.sort(key=lambda t: -t[0])
             score, cfg, r = scored[0]
             if phase == "prefill" and cfg.bm >= 128:

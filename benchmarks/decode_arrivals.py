@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.bench_kernels import QWEN3_30B, random_pool
+from benchmarks.decode_floor import _xor
 from moestream.experts.format import RecordLayout
 from moestream.kernels.expert_mlp import _offsets
 
@@ -41,11 +42,6 @@ def _record_stamps(stamps_ptr, start, done):
     tl.store(at + 2, start[1])
     tl.store(at + 3, done[1])
     tl.store(at + 4, start[2].to(tl.int64))
-
-
-@triton.jit
-def _xor(a, b):
-    return a ^ b
 
 
 @triton.jit
