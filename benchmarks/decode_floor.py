@@ -1,5 +1,6 @@
 """Where the 1-row Q4 decode's time goes, over rotating expert sets inside one CUDA graph: the tensor-core gate/up
-kernel against kernels that only load the same words (its memory floor) and XOR them; then a whole layer's step
+kernel against kernels that only copy in and read the same words (its memory floor) or load them in whole lines,
+and XOR them; then a whole layer's step
 (the GEMV pair, fused in one launch, on tensor cores) against one launch that reads its 8 records' bytes flat,
 in whole lines; each from HBM and with its records in L2.
 
@@ -23,23 +24,36 @@ from benchmarks.common import hbm_copy_gbs
 from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp, expert_mma
 from moestream.kernels.expert_mlp import TileConfig, _offsets
-from moestream.kernels.triton.expert_mma import _matrix_rows, _record
+from moestream.kernels.triton.expert_mma import (
+    CHUNK,
+    copy_stage,
+    group_words,
+    matrix_rows,
+    record_of,
+    stage_in,
+    word_buffers,
+)
 
 
 @gluon.jit
-def words_only_kernel(out_ptr, entries_ptr, addr_ptr, off_gw, off_uw, H: gl.constexpr, WORDS: gl.constexpr,
-                      STAGE: gl.constexpr):
-    """The gate/up kernel's word loads, all of K at once, XORed: what the step costs with no arithmetic."""
+def words_only_kernel(out_ptr, entries_ptr, addr_ptr, off_gw, off_uw, H: gl.constexpr, STAGES: gl.constexpr,
+                      WORDS: gl.constexpr, COPY: gl.constexpr, STAGE: gl.constexpr):
+    """The gate/up kernel's word copies and fragment reads (STAGES in flight, 0: all), XORed: what its step costs
+    with no arithmetic."""
     R: gl.constexpr = 16 * gl.num_warps()
-    e, base = _record(entries_ptr, addr_ptr, entries_ptr, False)
-    words, _, _ = _matrix_rows(base, off_gw, 0, 0, gl.program_id(1) * (R // 2), H, R, WORDS, STAGE, True, off_uw,
-                               0, 0)
-    w = ()
-    for g in gl.static_range(H // 64):  # every load issued before any is used, as the gate/up kernel does
-        w = w + (gl.load(words + g * 8),)
-    acc = w[0]
-    for g in gl.static_range(1, H // 64):
-        acc = acc ^ w[g]
+    G: gl.constexpr = H // 64
+    NS: gl.constexpr = triton.cdiv(G, CHUNK)
+    S: gl.constexpr = NS if STAGES == 0 else STAGES
+    e, base = record_of(entries_ptr, addr_ptr, entries_ptr, False)
+    words, _, _ = matrix_rows(base, off_gw, 0, 0, gl.program_id(1) * (R // 2), H, R, COPY, STAGE, True, off_uw, 0, 0)
+    buffers, by_group = word_buffers(S, R)
+    for c in gl.static_range(S):
+        copy_stage(buffers.slice(c * CHUNK, CHUNK), words, c, G, COPY)
+    acc = gl.zeros([R, 8], gl.int32, WORDS)
+    for g in gl.static_range(G):
+        if g % CHUNK == 0:
+            stage_in(buffers, words, g // CHUNK, S, NS, G, COPY)
+        acc = acc ^ group_words(by_group, g, S, R, WORDS)
     gl.store(out_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 0, gl.max(gl.max(acc, 1), 0))
 
 
@@ -83,21 +97,22 @@ def main() -> None:
     sink = torch.empty(1, dtype=torch.int32, device="cuda")
     gate_up_bytes = 2 * layout.intermediate_size * layout.hidden_size // 2
     print(f"HBM copy {hbm_copy_gbs():.0f} GB/s; gate/up words {g['top_k'] * gate_up_bytes / 1e6:.1f} MB a step")
-    for warps in () if "--layer" in sys.argv else (2, 4, 8):
+    for warps, stages in () if "--layer" in sys.argv else ((2, 0), (2, 3), (4, 0), (4, 3), (8, 2)):
         L = expert_mma._layouts(warps)
         cases = {
-            "words only": lambda a, w=warps, L=L: words_only_kernel[(g["top_k"], layout.intermediate_size // (8 * w))](
-                sink, entries, a, o["gate_w"], o["up_w"], H=layout.hidden_size, WORDS=L["WORDS"], STAGE=L["STAGE"],
-                num_warps=w),
-            "whole step": lambda a, w=warps: expert_mma.launch_decode_mma(x, out, entries, a, layout, g["top_k"], o, w,
-                                                                          4),
+            f"words only, stages {stages}": lambda a, w=warps, s=stages, L=L: words_only_kernel[
+                (g["top_k"], layout.intermediate_size // (8 * w))](
+                sink, entries, a, o["gate_w"], o["up_w"], H=layout.hidden_size, STAGES=s, WORDS=L["WORDS"],
+                COPY=L["COPY"], STAGE=L["STAGE"], num_warps=w),
+            f"whole step, stages {stages}": lambda a, w=warps, s=stages: expert_mma.launch_decode_mma(
+                x, out, entries, a, layout, g["top_k"], o, w, 4, stages=s),
             "whole lines": lambda a, w=warps: rows_whole_kernel[(g["top_k"], layout.intermediate_size // (8 * w))](
                 sink, a, o["gate_w"], o["up_w"], H=layout.hidden_size, RB=8 * w, num_warps=w),
         }
         for name, fn in cases.items():
-            us = graphed_seconds(fn, sets) * 1e6
+            us, l2 = graphed_seconds(fn, sets) * 1e6, graphed_seconds(fn, sets[:1] * len(sets)) * 1e6
             rate = g["top_k"] * gate_up_bytes / us / 1e3
-            print(f"warps {warps}, {name}: {us:.1f} us a step, words at {rate:.0f} GB/s", flush=True)
+            print(f"warps {warps}, {name}: {us:.1f} us a step, words at {rate:.0f} GB/s; L2 {l2:.1f} us", flush=True)
     layer_bytes = g["top_k"] * layout.record_bytes
     h = torch.empty(g["top_k"], layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
     tiles = expert_mlp.tile_config("decode", layout)
@@ -106,7 +121,8 @@ def main() -> None:
         return lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, g["top_k"], h=h, cfg=cfg)
     steps = {f"GEMV pair {tiles}": step(dataclasses.replace(tiles, fused=0)),
              "fused (16, 2048, 32, 1024), 4 warps": step(TileConfig(1, 16, 2048, 32, 1024, 4, 1, fused=1)),
-             "mma pair, 4 + 4 warps": step(TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4, mma=1))}
+             "mma pair, 4 + 4 warps": step(TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4, mma=1)),
+             "mma pair, 2 + 2 warps, 3 stages": step(TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 2, mma=1))}
     for chunk, warps in [(8192, 4), (16384, 4), (32768, 4), (32768, 8), (65536, 8)]:
         steps[f"flat read, {chunk // 1024} KB a program, {warps} warps"] = lambda a, c=chunk, w=warps: flat_read_kernel[
             (g["top_k"], -(-layout.record_bytes // c))](sink, a, NBYTES=layout.record_bytes, CHUNK=c, num_warps=w)

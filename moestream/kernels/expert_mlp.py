@@ -41,7 +41,7 @@ class TileConfig:
     join: int = 0  # prefill: 1 = gate/up tiles of bn_gate_up / 2 gate rows and the same up rows, one MMA a step
     affine_ahead: int = 0  # prefill: 1 = scales and biases a K step ahead (down and joined gate/up tiles)
     tail_bm: int = 0  # prefill: an expert's last tile of at most tail_bm entries goes in a launch of that height
-    mma: int = 0  # decode: 1 = Q4 on tensor cores (expert_mma.py; num_warps and warps_down its only tiles)
+    mma: int = 0  # decode: 1 = Q4 on tensor cores (expert_mma.py; num_warps, warps_down and num_stages its tiles)
     fused: int = 0  # decode: 1 = gate/up and down tiles in one launch (triton/expert_fused.py; num_warps for both)
 
     @property
@@ -105,7 +105,7 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
     if cfg.mma and record_bits is None and expert_mma.supported(layout, cfg.num_warps, cfg.down[0]):
         return expert_mma.launch_decode_mma(x, out, entries, addr, layout, top_k, o, cfg.num_warps, cfg.down[0],
-                                            records)
+                                            records, cfg.num_stages)
     # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's codes are placed as Q4 nibbles
     placed = 4 if layout.bits == 3 else layout.bits
     field_mask = 0 if layout.bits == 16 else ((1 << placed) - 1) << (23 - placed)

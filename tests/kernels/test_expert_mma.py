@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
 
 
-def _check(hidden, inter, rows, top_k, warps=4, warps_down=4, records=None, seed=0):
+def _check(hidden, inter, rows, top_k, warps=4, warps_down=4, records=None, seed=0, stages=1, scale=1.0):
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -24,11 +24,11 @@ def _check(hidden, inter, rows, top_k, warps=4, warps_down=4, records=None, seed
     layout = RecordLayout.build("q4", hidden, inter)
     slots = 2 * top_k + 1
     buf = make_buffer(layout, slots, gen)
-    x = torch.randn(rows, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    x = (scale * torch.randn(rows, hidden, generator=gen)).to(DEVICE, torch.bfloat16)
     n = rows * top_k
     picks = [(slots - 1 - 2 * (i % top_k) - (i // top_k) % 2) % slots for i in range(n)]  # gaps, repeats
     entries = torch.arange(n, device=DEVICE).flip(0)
-    cfg = TileConfig(1, 8, 2048, 16, 1024, warps, 1, 0, warps_down, mma=1)
+    cfg = TileConfig(1, 8, 2048, 16, 1024, warps, stages, 0, warps_down, mma=1)
     out = torch.full((n, hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     if records is None:
         addr = torch.tensor([buf[picks[e]].data_ptr() for e in entries.tolist()], device=DEVICE)
@@ -38,6 +38,7 @@ def _check(hidden, inter, rows, top_k, warps=4, warps_down=4, records=None, seed
         ids = torch.tensor([picks[e] for e in entries.tolist()], device=DEVICE)
         expert_mlp.launch_decode(x, out, entries, table, layout, top_k, cfg=cfg, records=ids)
     assert not torch.isnan(out).any(), "an output element was not written"
+    assert torch.isfinite(out).all()
     want = torch.empty_like(out)
     for e in range(n):
         reference.expert_group(x, buf, [picks[e]], layout, [(0, 1)], torch.tensor([e], device=DEVICE), top_k, want)
@@ -55,6 +56,18 @@ def test_matches_reference(hidden, inter, top_k, rows):
 @pytest.mark.parametrize("warps,warps_down", [(2, 2), (4, 2), (8, 4), (2, 4), (8, 8)])
 def test_each_warp_count(warps, warps_down):
     _check(2048, 768, 2, 8, warps, warps_down, seed=1)
+
+
+@pytest.mark.parametrize("hidden,inter,stages", [(2048, 768, 2), (2048, 768, 3), (2560, 640, 2), (4096, 1536, 4),
+                                                  (2048, 1408, 3)])
+def test_each_ring_of_copy_stages(hidden, inter, stages):
+    """Copy stages in a ring of buffers (the last one masked where a stage's groups overrun the row)."""
+    _check(hidden, inter, 2, 8, stages=stages, seed=4)
+
+
+def test_x_of_any_range():
+    """x and h stay bf16: activations past fp16's range (65504) give finite, correct outputs."""
+    _check(2048, 768, 1, 8, seed=5, scale=3e5)
 
 
 def test_reads_the_table_by_expert_id():
