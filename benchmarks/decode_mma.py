@@ -22,7 +22,7 @@ from moestream.kernels import expert_mlp, expert_mma
 from moestream.kernels.expert_mlp import TileConfig
 
 # (gate/up warps, down warps, copy stages in flight (1: all))
-MMA = [(2, 2, 3), (2, 2, 2), (2, 2, 1), (4, 4, 3), (2, 4, 3), (4, 2, 3), (8, 4, 2)]
+MMA = [(2, 2, 3), (2, 4, 3), (2, 2, 2), (2, 2, 1), (4, 4, 3), (4, 2, 3), (8, 4, 2)]
 
 
 def _l2_us(layout, pool, cfg) -> float:
@@ -70,8 +70,8 @@ def trace(layout, pool, warps: int, warps_down: int, stages: int) -> None:
         t0 = host[0][:, 0].min()
         before = (stamps[mid - 1][1][:, 6].max().cpu() - t0) / 1e3
         pdl = os.environ.get("MOESTREAM_PDL", "down")
-        print(f"mma {warps}+{warps_down} warps, stages {stages}, PDL {pdl}, from {where}: the step "
-              f"before stored its last at {before:.2f} us; quantiles 0/10/50/90/100%:")
+        print(f"mma {warps}+{warps_down} warps, stages {stages}, PDL {pdl}, from {where}: "
+              f"the step before stored its last at {before:.2f} us; quantiles 0/10/50/90/100%:")
         for name, s in zip(("gate/up", "down"), host):
             for slot, label in enumerate(SLOTS):
                 t = torch.quantile((s[:, slot] - t0).double() / 1e3, q).tolist()
@@ -84,7 +84,7 @@ def main() -> None:
     layout = RecordLayout.build("q4", g["hidden"], g["inter"])
     pool = random_pool(layout, 4 * g["experts"])
     if "--trace" in sys.argv:
-        for cfg in [(2, 2, 3), (2, 2, 2)]:
+        for cfg in [(2, 2, 3), (2, 4, 3)]:
             trace(layout, pool, *cfg)
         return
     copy = hbm_copy_gbs()

@@ -36,9 +36,12 @@ def _halves(warps: int):
 
 @functools.cache
 def _stages(requested: int, k: int, warps: int) -> int:
-    """Copy stages in flight for rows of k columns (a stage: 4 groups of 16 x warps rows, 2 KB x warps), 0 for
-    all: at most 64 KB of words a program, so that a few programs an SM hold their loads in flight."""
-    total, cap = -(-k // 256), max(2, 32 // warps)
+    """Copy stages in flight for rows of k columns (a stage: CHUNK groups of 16 x warps rows), 0 for all: at most
+    64 KB of words a program, so that a few programs an SM hold their loads in flight."""
+    from moestream.kernels.triton.expert_mma import CHUNK
+
+    codes = 64 * CHUNK.value
+    total, cap = -(-k // codes), max(2, 65536 // (codes // 2 * 16 * warps))
     stages = total if requested <= 1 else min(requested, total)
     stages = stages if stages <= cap else cap
     return 0 if stages == total else stages
@@ -49,7 +52,7 @@ def launch_decode_mma(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor,
                       records: torch.Tensor | None = None, stages: int = 0,
                       trace: tuple | None = None) -> None:
     """As expert_mlp.launch_decode (without `record_bits`), on tensor cores: x [T, H]; out [T * top_k, H].
-    `stages`: copy stages of 4 groups in flight a program (0 or 1: all of them, up to 64 KB of words). `trace`
+    `stages`: copy stages (CHUNK groups) in flight a program (0 or 1: all of them, up to 64 KB of words). `trace`
     (benchmarks): int64 tensors [programs, 8] for each kernel's stamps (`stamp`)."""
     from moestream.kernels.triton.expert_mma import down_mma_kernel, gate_up_mma_kernel
 
@@ -69,7 +72,7 @@ def launch_decode_mma(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor,
         HALVES=_halves(warps), **_layouts(warps), num_warps=warps, **options(wait))
     down_mma_kernel[(n, hidden // (16 * warps_down))](
         hf, hs, out, entries, addr, records, o["down_w"], o["down_s"], o["down_b"], field, H=hidden, I=inter,
-        PARTS=64 // rows_block, INDIRECT=indirect, PDL=pdl, STAGES=_stages(stages, inter, warps_down),
-        TRACE=trace is not None, trace_ptr=hs if trace is None else trace[1],
-        **_layouts(warps_down, 64 // rows_block),
+        PARTS=64 // rows_block, INDIRECT=indirect, PDL=pdl,
+        STAGES=_stages(stages, inter, warps_down), TRACE=trace is not None,
+        trace_ptr=hs if trace is None else trace[1], **_layouts(warps_down, 64 // rows_block),
         num_warps=warps_down, **options(pdl))
