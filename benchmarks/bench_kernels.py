@@ -148,9 +148,11 @@ DECODE_FIRST = [TileConfig(1, 16, 2048, 32, 1024, 4, 1), TileConfig(1, 8, 2048, 
                 TileConfig(1, 8, 512, 16, 256, 2, 4, 0, 2, 3), TileConfig(1, 8, 1024, 16, 256, 2, 2, 0, 2, 3),
                 TileConfig(1, 16, 512, 32, 256, 4, 4, 0, 4, 3)]
 # Q4 on tensor cores (expert_mma.py): num_warps the gate/up program's (8 x warps gate rows and as many up rows),
-# warps_down the down program's (16 rows a warp). Offline sm_90: gate/up 4 warps 1.59 instructions a code, 208
-# registers; down 4 warps 1.79, 151 registers (the GEMVs: 3.39 and 5.08).
-MMA_FIRST = [TileConfig(1, 8, 2048, 16, 1024, w, 1, 0, wd, mma=1) for w, wd in [(4, 4), (2, 2), (4, 2), (8, 4), (2, 4)]]
+# warps_down the down program's (16 rows a warp), num_stages its copy stages in flight (1: all). Offline sm_90, 2 warps,
+# 3 stages: gate/up 2.07 instructions a code, 80 registers; down 2.25, 51. H200 (session 21, decode_mma): 1 row
+# 12.8-13.0 us against the GEMV pair's 13.6-13.9, 4 rows 35.6-36.8 against 31.8, so the quick sweep leaves them out.
+MMA_FIRST = [TileConfig(1, 8, 2048, 16, 1024, w, s, 0, wd, mma=1) for w, wd, s in
+             [(2, 4, 3), (2, 2, 3), (2, 2, 2), (4, 4, 3), (4, 2, 3)]]
 # gate/up and down tiles in one launch (triton/expert_fused.py), to pay a launch's ramp and drain once a layer. Offline
 # sm_90, the committed tiles fused: 128 registers (gate/up's alone: 128; down's: 48). H200 (session 20): no faster
 # than the pair at 1 row (13.2-13.9 us against 13.5; from L2 11.2 against 11.1) and slower at 4 (34.8 against 31.9),
