@@ -84,7 +84,7 @@ def main() -> None:
     layout = RecordLayout.build("q4", g["hidden"], g["inter"])
     pool = random_pool(layout, 4 * g["experts"])
     if "--trace" in sys.argv:
-        for cfg in [(2, 2, 3), (2, 4, 3)]:
+        for cfg in [(2, 2, 3), (2, 2, 1), (2, 4, 3)]:
             trace(layout, pool, *cfg)
         return
     copy = hbm_copy_gbs()
