@@ -237,8 +237,7 @@ def stamp(trace_ptr, slot: gl.constexpr, TRACE: gl.constexpr):
 
 @gluon.jit
 def _dot(words, s_ptr, b_ptr, x_ptr, xs_ptr, field, PREP: gl.constexpr, WAIT: gl.constexpr, K: gl.constexpr,
-         PARTS: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, WORDS: gl.constexpr,
-         COPY: gl.constexpr,
+         PARTS: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, WORDS: gl.constexpr, COPY: gl.constexpr,
          MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr, STAGE: gl.constexpr,
          SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr, trace_ptr, TRACE: gl.constexpr):
     """[R] rows . one row of activations (`_activations`). The words come in copy stages of CHUNK groups, STAGES
@@ -250,6 +249,7 @@ def _dot(words, s_ptr, b_ptr, x_ptr, xs_ptr, field, PREP: gl.constexpr, WAIT: gl
     NS: gl.constexpr = triton.cdiv(G, CHUNK)  # copy stages
     S: gl.constexpr = NS if STAGES == 0 or STAGES >= NS else STAGES  # buffers: the stages in flight
     gl.static_assert(S >= 2 or S == NS, "a ring of copy stages needs two buffers")
+    gl.static_assert(CHUNK % BATCH == 0, "a batch of groups lies in one copy stage")
     SHARED: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     buffers, by_group = word_buffers(S, R)
     stamp(trace_ptr, 1, TRACE)
@@ -296,8 +296,8 @@ def _dot(words, s_ptr, b_ptr, x_ptr, xs_ptr, field, PREP: gl.constexpr, WAIT: gl
 def gate_up_mma_kernel(x_ptr, hf_ptr, hs_ptr, entries_ptr, addr_ptr, records_ptr, off_gw, off_gs, off_gb, off_uw,
                        off_us, off_ub, field, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr,
                        INDIRECT: gl.constexpr, PDL: gl.constexpr, WAIT: gl.constexpr, STAGES: gl.constexpr,
-                       TRACE: gl.constexpr, trace_ptr, WORDS: gl.constexpr,
-                       COPY: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr,
+                       TRACE: gl.constexpr, trace_ptr, WORDS: gl.constexpr, COPY: gl.constexpr,
+                       MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr,
                        STAGE: gl.constexpr, SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr,
                        HALVES: gl.constexpr):
     """Program (i, blk): h[i] over rows blk * RB.. of I (RB = 8 x num_warps) = silu(gate rows . x) * (up rows . x),
