@@ -4,7 +4,9 @@ and XOR them; then a whole layer's step
 (the GEMV pair, fused in one launch, on tensor cores) against one launch that reads its 8 records' bytes flat,
 in whole lines; each from HBM and with its records in L2.
 
-python -m benchmarks.decode_floor [--layer]   (--layer: the whole-layer part only)
+python -m benchmarks.decode_floor [--layer | --scaling]   (--layer: the whole-layer part only; --scaling: one
+launch's flat read of the first 20-100% of each of 8 records, 64 KB a program, and the line through them: what a
+launch costs beyond its bytes, and its rate)
 """
 
 from __future__ import annotations
@@ -83,6 +85,22 @@ def _xor(a, b):
     return a ^ b
 
 
+def scaling(layout, sets, sink) -> None:
+    """Flat reads of the first part of each record (gate/up's words are the first 59%): us a step against MB,
+    and the least-squares line through them."""
+    points = []
+    for frac in (0.2, 0.4, 0.59, 0.8, 1.0):
+        nbytes = int(frac * layout.record_bytes) // 64 * 64
+        grid = (len(sets[0]), -(-nbytes // 65536))
+        us = graphed_seconds(lambda a, n=nbytes, gr=grid: flat_read_kernel[gr](sink, a, NBYTES=n, CHUNK=65536,
+                                                                                 num_warps=8), sets) * 1e6
+        points.append((len(sets[0]) * nbytes / 1e6, us))
+        print(f"flat read of {points[-1][0]:.1f} MB, 64 KB a program: {us:.2f} us a step", flush=True)
+    mb, us = torch.tensor(points, dtype=torch.float64).T
+    slope = ((mb - mb.mean()) * (us - us.mean())).sum() / ((mb - mb.mean()) ** 2).sum()
+    print(f"line: {us.mean() - slope * mb.mean():.2f} us + MB at {1 / slope:.2f} TB/s")
+
+
 def main() -> None:
     g = QWEN3_30B
     layout = RecordLayout.build("q4", g["hidden"], g["inter"])
@@ -97,6 +115,8 @@ def main() -> None:
     sink = torch.empty(1, dtype=torch.int32, device="cuda")
     gate_up_bytes = 2 * layout.intermediate_size * layout.hidden_size // 2
     print(f"HBM copy {hbm_copy_gbs():.0f} GB/s; gate/up words {g['top_k'] * gate_up_bytes / 1e6:.1f} MB a step")
+    if "--scaling" in sys.argv:
+        return scaling(layout, sets, sink)
     for warps, stages in () if "--layer" in sys.argv else ((2, 0), (2, 3), (4, 0), (4, 3), (8, 2)):
         L = expert_mma._layouts(warps)
         cases = {
