@@ -39,23 +39,38 @@ from moestream.kernels.triton.expert_mma import (
 
 @gluon.jit
 def words_only_kernel(out_ptr, entries_ptr, addr_ptr, off_gw, off_uw, H: gl.constexpr, STAGES: gl.constexpr,
-                      WORDS: gl.constexpr, COPY: gl.constexpr, STAGE: gl.constexpr):
+                      LDG: gl.constexpr, WORDS: gl.constexpr, COPY: gl.constexpr, STAGE: gl.constexpr):
     """The gate/up kernel's word copies and fragment reads (STAGES in flight, 0: all), XORed: what its step costs
-    with no arithmetic."""
+    with no arithmetic. LDG: each stage loads into registers (the same lanes and bytes as the async copies) and is
+    stored to shared memory once in, so loads, not cp.async, deliver it."""
     R: gl.constexpr = 16 * gl.num_warps()
     G: gl.constexpr = H // 64
     NS: gl.constexpr = triton.cdiv(G, CHUNK)
-    S: gl.constexpr = NS if STAGES == 0 else STAGES
+    S: gl.constexpr = NS if STAGES == 0 or STAGES >= NS else STAGES
     e, base = record_of(entries_ptr, addr_ptr, entries_ptr, False)
     words, _, _ = matrix_rows(base, off_gw, 0, 0, gl.program_id(1) * (R // 2), H, R, COPY, STAGE, True, off_uw, 0, 0)
     buffers, by_group = word_buffers(S, R)
-    for c in gl.static_range(S):
-        copy_stage(buffers.slice(c * CHUNK, CHUNK), words, c, G, COPY)
     acc = gl.zeros([R, 8], gl.int32, WORDS)
-    for g in gl.static_range(G):
-        if g % CHUNK == 0:
-            stage_in(buffers, words, g // CHUNK, S, NS, G, COPY)
-        acc = acc ^ group_words(by_group, g, S, R, WORDS)
+    if LDG:
+        gl.static_assert(G % CHUNK == 0, "whole stages only")
+        staged = ()
+        for c in gl.static_range(S):
+            staged = staged + (gl.load(words + c * CHUNK * 8),)
+        for c in gl.static_range(NS):
+            if c + S < NS + 1 and c > 0:  # the stage S - 1 on loads once this one is needed
+                staged = staged + (gl.load(words + (c + S - 1) * CHUNK * 8),)
+            buffers.slice(c % S * CHUNK, CHUNK).store(staged[c])
+            gl.thread_barrier()
+            for g in gl.static_range(c * CHUNK, c * CHUNK + CHUNK):
+                acc = acc ^ group_words(by_group, g, S, R, WORDS)
+            gl.thread_barrier()  # every warp past this buffer before a later stage is stored in it
+    else:
+        for c in gl.static_range(S):
+            copy_stage(buffers.slice(c * CHUNK, CHUNK), words, c, G, COPY)
+        for g in gl.static_range(G):
+            if g % CHUNK == 0:
+                stage_in(buffers, words, g // CHUNK, S, NS, G, COPY)
+            acc = acc ^ group_words(by_group, g, S, R, WORDS)
     gl.store(out_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 0, gl.max(gl.max(acc, 1), 0))
 
 
@@ -120,10 +135,10 @@ def main() -> None:
     for warps, stages in () if "--layer" in sys.argv else ((2, 0), (2, 3), (4, 0), (4, 3), (8, 2)):
         L = expert_mma._layouts(warps)
         cases = {
-            f"words only, stages {stages}": lambda a, w=warps, s=stages, L=L: words_only_kernel[
+            **{f"words only, stages {stages}, {how}": lambda a, w=warps, s=stages, L=L, ldg=ldg: words_only_kernel[
                 (g["top_k"], layout.intermediate_size // (8 * w))](
-                sink, entries, a, o["gate_w"], o["up_w"], H=layout.hidden_size, STAGES=s, WORDS=L["WORDS"],
-                COPY=L["COPY"], STAGE=L["STAGE"], num_warps=w),
+                sink, entries, a, o["gate_w"], o["up_w"], H=layout.hidden_size, STAGES=s, LDG=ldg, WORDS=L["WORDS"],
+                COPY=L["COPY"], STAGE=L["STAGE"], num_warps=w) for ldg, how in ((0, "cp.async"), (1, "LDG"))},
             f"whole step, stages {stages}": lambda a, w=warps, s=stages: expert_mma.launch_decode_mma(
                 x, out, entries, a, layout, g["top_k"], o, w, 4, stages=s),
             "whole lines": lambda a, w=warps: rows_whole_kernel[(g["top_k"], layout.intermediate_size // (8 * w))](
