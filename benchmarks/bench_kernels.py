@@ -38,6 +38,12 @@ def random_pool(layout: RecordLayout, records: int, host: bool = False) -> torch
     return buf.cpu().pin_memory() if host else buf
 
 
+def one_row(layout: RecordLayout, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 1-row decode step's x [1, H], out [top_k, H] and entries 0..top_k on the GPU."""
+    x = torch.randn(1, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
+    return x, torch.empty(top_k, layout.hidden_size, device="cuda", dtype=x.dtype), torch.arange(top_k, device="cuda")
+
+
 def graphed_seconds(step, sets: list) -> float:
     """Seconds a call of step(a), for a in `sets` back to back in one CUDA graph (warmed up first)."""
     for a in sets[:2]:

@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from benchmarks.bench_kernels import QWEN3_30B, graphed_seconds, random_pool
+from benchmarks.bench_kernels import QWEN3_30B, graphed_seconds, one_row, random_pool
 from benchmarks.common import hbm_copy_gbs
 from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp, expert_mma
@@ -100,15 +100,19 @@ def _xor(a, b):
     return a ^ b
 
 
+def _flat_read(sink, records: int, nbytes: int, chunk: int, warps: int):
+    """A step reading bytes 0..nbytes of each of `records` records at addresses a, `chunk` bytes a program."""
+    grid = (records, -(-nbytes // chunk))
+    return lambda a: flat_read_kernel[grid](sink, a, NBYTES=nbytes, CHUNK=chunk, num_warps=warps)
+
+
 def scaling(layout, sets, sink) -> None:
     """Flat reads of the first part of each record (gate/up's words are the first 59%): us a step against MB,
     and the least-squares line through them."""
     points = []
     for frac in (0.2, 0.4, 0.59, 0.8, 1.0):
         nbytes = int(frac * layout.record_bytes) // 64 * 64
-        grid = (len(sets[0]), -(-nbytes // 65536))
-        us = graphed_seconds(lambda a, n=nbytes, gr=grid: flat_read_kernel[gr](sink, a, NBYTES=n, CHUNK=65536,
-                                                                                 num_warps=8), sets) * 1e6
+        us = graphed_seconds(_flat_read(sink, len(sets[0]), nbytes, 65536, 8), sets) * 1e6
         points.append((len(sets[0]) * nbytes / 1e6, us))
         print(f"flat read of {points[-1][0]:.1f} MB, 64 KB a program: {us:.2f} us a step", flush=True)
     mb, us = torch.tensor(points, dtype=torch.float64).T
@@ -123,9 +127,7 @@ def main() -> None:
     rng = random.Random(1)
     sets = [torch.tensor([pool[e].data_ptr() for e in rng.sample(range(pool.shape[0]), g["top_k"])], device="cuda")
             for _ in range(64)]
-    x = torch.randn(1, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(g["top_k"], layout.hidden_size, device="cuda", dtype=torch.bfloat16)
-    entries = torch.arange(g["top_k"], device="cuda")
+    x, out, entries = one_row(layout, g["top_k"])
     o = _offsets(layout)
     sink = torch.empty(1, dtype=torch.int32, device="cuda")
     gate_up_bytes = 2 * layout.intermediate_size * layout.hidden_size // 2
@@ -159,8 +161,8 @@ def main() -> None:
              "mma pair, 4 + 4 warps": step(TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4, mma=1)),
              "mma pair, 2 + 2 warps, 3 stages": step(TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 2, mma=1))}
     for chunk, warps in [(8192, 4), (16384, 4), (32768, 4), (32768, 8), (65536, 8)]:
-        steps[f"flat read, {chunk // 1024} KB a program, {warps} warps"] = lambda a, c=chunk, w=warps: flat_read_kernel[
-            (g["top_k"], -(-layout.record_bytes // c))](sink, a, NBYTES=layout.record_bytes, CHUNK=c, num_warps=w)
+        steps[f"flat read, {chunk // 1024} KB a program, {warps} warps"] = _flat_read(sink, g["top_k"],
+                                                                                   layout.record_bytes, chunk, warps)
     # the same 8 records every step stay in L2 (50 MB): what a step costs when HBM is not the limit
     print(f"whole layer: {layer_bytes / 1e6:.1f} MB a step, from HBM (rotating sets) and from L2 (one set)")
     for name, fn in steps.items():

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from benchmarks.bench_kernels import QWEN3_30B, _error, decode_case, graphed_seconds, random_pool
+from benchmarks.bench_kernels import QWEN3_30B, _error, decode_case, graphed_seconds, one_row, random_pool
 from benchmarks.common import hbm_copy_gbs
 from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp, expert_mma
@@ -28,9 +28,7 @@ MMA = [(2, 2, 3), (2, 4, 3), (2, 2, 2), (2, 2, 1), (4, 4, 3), (4, 2, 3), (8, 4, 
 def _l2_us(layout, pool, cfg) -> float:
     """One row's step with the same 8 records every time (they stay in L2)."""
     g = QWEN3_30B
-    x = torch.randn(1, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(g["top_k"], layout.hidden_size, device="cuda", dtype=torch.bfloat16)
-    entries = torch.arange(g["top_k"], device="cuda")
+    x, out, entries = one_row(layout, g["top_k"])
     addr = torch.tensor([pool[e].data_ptr() for e in range(g["top_k"])], device="cuda")
     step = functools.partial(expert_mlp.launch_decode, x, out, entries, layout=layout, top_k=g["top_k"], cfg=cfg)
     return graphed_seconds(lambda a: step(addr=a), [addr] * 64) * 1e6
@@ -44,9 +42,7 @@ def trace(layout, pool, warps: int, warps_down: int, stages: int) -> None:
     repeated (from L2): for the middle step, each point's time after its first gate/up program started, in
     quantiles over the programs (us), for both kernels; then the previous step's last store."""
     g = QWEN3_30B
-    x = torch.randn(1, layout.hidden_size, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(g["top_k"], layout.hidden_size, device="cuda", dtype=torch.bfloat16)
-    entries = torch.arange(g["top_k"], device="cuda")
+    x, out, entries = one_row(layout, g["top_k"])
     rng = random.Random(2)
     sets = [torch.tensor([pool[e].data_ptr() for e in rng.sample(range(pool.shape[0]), g["top_k"])], device="cuda")
             for _ in range(32)]

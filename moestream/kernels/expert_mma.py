@@ -64,15 +64,15 @@ def launch_decode_mma(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor,
     records = records if indirect else entries  # unread unless indirect
     field = 0x000F000F  # nibbles 0 and 4 of a word; passed at run time so that ptxas fuses mask and OR
     wait, pdl = dependent(x), dependent(x, "down")
+    stamps = trace or (hs, hs)  # unread unless traced
     gate_up_mma_kernel[(n, inter // rows_block)](
         x, hf, hs, entries, addr, records, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"], o["up_s"], o["up_b"],
         field, H=hidden, I=inter, TOP_K=top_k, INDIRECT=indirect, PDL=pdl, WAIT=wait,
-        STAGES=_stages(stages, hidden, warps), TRACE=trace is not None,
-        trace_ptr=hs if trace is None else trace[0],
-        HALVES=_halves(warps), **_layouts(warps), num_warps=warps, **options(wait))
+        STAGES=_stages(stages, hidden, warps), TRACE=trace is not None, trace_ptr=stamps[0], HALVES=_halves(warps),
+        **_layouts(warps), num_warps=warps, **options(wait))
     down_mma_kernel[(n, hidden // (16 * warps_down))](
         hf, hs, out, entries, addr, records, o["down_w"], o["down_s"], o["down_b"], field, H=hidden, I=inter,
         PARTS=64 // rows_block, INDIRECT=indirect, PDL=pdl,
-        STAGES=_stages(stages, inter, warps_down), TRACE=trace is not None,
-        trace_ptr=hs if trace is None else trace[1], **_layouts(warps_down, 64 // rows_block),
+        STAGES=_stages(stages, inter, warps_down), TRACE=trace is not None, trace_ptr=stamps[1],
+        **_layouts(warps_down, 64 // rows_block),
         num_warps=warps_down, **options(pdl))
