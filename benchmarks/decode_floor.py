@@ -4,7 +4,8 @@ and XOR them; then a whole layer's step
 (the GEMV pair, fused in one launch, on tensor cores) against one launch that reads its 8 records' bytes flat,
 in whole lines; each from HBM and with its records in L2.
 
-python -m benchmarks.decode_floor [--layer | --scaling]   (--layer: the whole-layer part only; --scaling: one
+python -m benchmarks.decode_floor [--layer | --scaling | --pools]   (--pools: steps over pools of 512, 128 and
+40 records, whether the address span sets the floor; --layer: the whole-layer part only; --scaling: one
 launch's flat read of the first 20-100% of each of 8 records, 64 KB a program, and the line through them: what a
 launch costs beyond its bytes, and its rate)
 """
@@ -20,12 +21,15 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from benchmarks.bench_kernels import QWEN3_30B, graphed_seconds, one_row, random_pool
 from benchmarks.common import hbm_copy_gbs
 from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp, expert_mma
 from moestream.kernels.expert_mlp import TileConfig, _offsets
+from moestream.kernels.launch import options
 from moestream.kernels.triton.expert_mma import (
     CHUNK,
     copy_stage,
@@ -35,6 +39,7 @@ from moestream.kernels.triton.expert_mma import (
     stage_in,
     word_buffers,
 )
+from moestream.kernels.triton.launch import dependent_start
 
 
 @gluon.jit
@@ -87,8 +92,10 @@ def rows_whole_kernel(out_ptr, addr_ptr, off_gw, off_uw, H: tl.constexpr, RB: tl
 
 
 @triton.jit
-def flat_read_kernel(out_ptr, addr_ptr, NBYTES: tl.constexpr, CHUNK: tl.constexpr):
-    """Program (e, j) reads bytes j * CHUNK.. of record e (int32 words, whole lines, masked past NBYTES), XORed."""
+def flat_read_kernel(out_ptr, addr_ptr, NBYTES: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (e, j) reads bytes j * CHUNK.. of record e (int32 words, whole lines, masked past NBYTES), XORed.
+    PDL: launched as a dependent, it waits for the step before only once resident."""
+    dependent_start(PDL)
     base = tl.load(addr_ptr + tl.program_id(0)).to(tl.pointer_type(tl.int32))
     w = tl.program_id(1) * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
     acc = tl.reduce(tl.load(base + w, mask=w < NBYTES // 4, other=0), 0, _xor)
@@ -96,19 +103,83 @@ def flat_read_kernel(out_ptr, addr_ptr, NBYTES: tl.constexpr, CHUNK: tl.constexp
 
 
 @triton.jit
+def persistent_read_kernel(out_ptr, addr_ptr, RECORDS: tl.constexpr, NBYTES: tl.constexpr, CHUNK: tl.constexpr,
+                           PDL: tl.constexpr):
+    """The same bytes from one program an SM: chunk c of the record-major list goes to program c % grid, the next
+    chunk's loads issued before this one is reduced (what a persistent kernel's loads can deliver)."""
+    dependent_start(PDL)
+    PER: tl.constexpr = (NBYTES + CHUNK - 1) // CHUNK
+    w = tl.arange(0, CHUNK // 4)
+    acc = tl.zeros((CHUNK // 4,), dtype=tl.int32)
+    c = tl.program_id(0)
+    base = tl.load(addr_ptr + c // PER).to(tl.pointer_type(tl.int32))
+    ahead = tl.load(base + c % PER * (CHUNK // 4) + w, mask=c % PER * (CHUNK // 4) + w < NBYTES // 4, other=0)
+    for c in range(tl.program_id(0), RECORDS * PER, tl.num_programs(0)):
+        data = ahead
+        n = c + tl.num_programs(0)
+        if n < RECORDS * PER:
+            base = tl.load(addr_ptr + n // PER).to(tl.pointer_type(tl.int32))
+            ahead = tl.load(base + n % PER * (CHUNK // 4) + w, mask=n % PER * (CHUNK // 4) + w < NBYTES // 4,
+                            other=0)
+        acc ^= data
+    tl.store(out_ptr + tl.program_id(0) * 0, tl.reduce(acc, 0, _xor))
+
+
+@gluon.jit
+def tma_read_kernel(out_ptr, desc, addr_ptr, pool_base, NBYTES: gl.constexpr, COPIES: gl.constexpr,
+                    PDL: gl.constexpr):
+    """Program (e, j) copies COPIES boxes of the pool's 128-byte rows (TMA, one mbarrier) from bytes j * COPIES *
+    box.. of record e (up to NBYTES) and waits for them: what the tensor memory accelerator delivers."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    ROWS: gl.constexpr = desc.block_type.shape[0]
+    first = ((gl.load(addr_ptr + gl.program_id(0)) - pool_base) // 128).to(gl.int32) + gl.program_id(1) * COPIES * ROWS
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    bufs = gl.allocate_shared_memory(gl.int32, [COPIES, ROWS, 32], desc.layout)
+    mbarrier.expect(bar, COPIES * ROWS * 128)
+    for c in gl.static_range(COPIES):
+        tma.async_copy_global_to_shared(desc, [first + c * ROWS, 0], bar, bufs.index(c))
+    mbarrier.wait(bar, 0)
+    gl.store(out_ptr, first, mask=first < 0)  # nothing: the copies are the work
+
+
+def _tma_read(sink, pool, records: int, nbytes: int, rows: int, copies: int, pdl: bool = False):
+    """A step reading bytes 0..nbytes of each record by TMA boxes of `rows` 128-byte rows, `copies` a program."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    flat = pool.view(torch.int32).view(-1, 32)
+    desc = TensorDescriptor.from_tensor(flat, [rows, 32], gl.NVMMASharedLayout.get_default_for([rows, 32], gl.int32))
+    grid = (records, -(-nbytes // (rows * 128 * copies)))
+    return lambda a: tma_read_kernel[grid](sink, desc, a, pool.data_ptr(), NBYTES=nbytes, COPIES=copies, PDL=pdl,
+                                           num_warps=1, **options(pdl))
+
+
+@triton.jit
+def empty_kernel(out_ptr, addr_ptr, PDL: tl.constexpr):
+    """Reads one address and stores nothing: a step's launch and nothing else."""
+    dependent_start(PDL)
+    if tl.load(addr_ptr) == 0:
+        tl.store(out_ptr, 1)
+
+
+@triton.jit
 def _xor(a, b):
     return a ^ b
 
 
-def _flat_read(sink, records: int, nbytes: int, chunk: int, warps: int):
+def _flat_read(sink, records: int, nbytes: int, chunk: int, warps: int, pdl: bool = False):
     """A step reading bytes 0..nbytes of each of `records` records at addresses a, `chunk` bytes a program."""
     grid = (records, -(-nbytes // chunk))
-    return lambda a: flat_read_kernel[grid](sink, a, NBYTES=nbytes, CHUNK=chunk, num_warps=warps)
+    return lambda a: flat_read_kernel[grid](sink, a, NBYTES=nbytes, CHUNK=chunk, PDL=pdl, num_warps=warps,
+                                            **options(pdl))
 
 
-def scaling(layout, sets, sink) -> None:
+def scaling(layout, sets, sink, pool) -> None:
     """Flat reads of the first part of each record (gate/up's words are the first 59%): us a step against MB,
-    and the least-squares line through them."""
+    and the least-squares line through them; then, plain and launched as dependents (PDL): a step that reads
+    nothing, the whole records read flat, by TMA boxes, and by one or two programs an SM."""
     points = []
     for frac in (0.2, 0.4, 0.59, 0.8, 1.0):
         nbytes = int(frac * layout.record_bytes) // 64 * 64
@@ -118,6 +189,48 @@ def scaling(layout, sets, sink) -> None:
     mb, us = torch.tensor(points, dtype=torch.float64).T
     slope = ((mb - mb.mean()) * (us - us.mean())).sum() / ((mb - mb.mean()) ** 2).sum()
     print(f"line: {us.mean() - slope * mb.mean():.2f} us + MB at {1 / slope:.2f} TB/s")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nbytes, records = layout.record_bytes // 64 * 64, len(sets[0])
+    for pdl in (False, True):
+        cases = {"nothing, 1 program": lambda a, d=pdl: empty_kernel[(1,)](sink, a, PDL=d, **options(d)),
+                 f"nothing, {sms} programs": lambda a, d=pdl: empty_kernel[(sms,)](sink, a, PDL=d, **options(d)),
+                 "flat read, 64 KB a program": _flat_read(sink, records, nbytes, 65536, 8, pdl),
+                 "flat read of 20%": _flat_read(sink, records, nbytes // 5 // 64 * 64, 65536, 8, pdl)}
+        for rows, copies in ((256, 1), (128, 1), (256, 2), (128, 4)):
+            cases[f"TMA, {rows * copies // 8} KB a program in {copies}"] = _tma_read(sink, pool, records, nbytes, rows,
+                                                                                     copies, pdl)
+        cases["TMA of 20%, 32 KB a program"] = _tma_read(sink, pool, records, nbytes // 5, 256, 1, pdl)
+        for chunk, warps, per_sm in ((16384, 8, 1), (32768, 8, 1), (16384, 4, 2), (32768, 8, 2)):
+            cases[f"persistent, {per_sm} an SM, {chunk // 1024} KB chunks, {warps} warps"] = (
+                lambda a, c=chunk, w=warps, p=per_sm, d=pdl: persistent_read_kernel[(p * sms,)](
+                    sink, a, RECORDS=records, NBYTES=nbytes, CHUNK=c, PDL=d, num_warps=w, **options(d)))
+        for name, fn in cases.items():
+            us = graphed_seconds(fn, sets) * 1e6
+            print(f"{'PDL' if pdl else 'plain'}, {name}: {us:.2f} us a step", flush=True)
+
+
+def pools(layout, sink, top_k: int) -> None:
+    """The same steps over pools of 512, 128 (one layer) and 40 records, in disjoint sets of 8 taken in turn (a
+    record comes back only after all the others, so L2 cannot serve it): whether the bytes' address span (the
+    TLB's reach) sets a step's floor."""
+    x, out, entries = one_row(layout, top_k)
+    h = torch.empty(top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    tiles = expert_mlp.tile_config("decode", layout)
+    nbytes = layout.record_bytes // 64 * 64
+
+    def step(cfg):
+        return lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, top_k, h=h, cfg=cfg)
+    steps = {"flat read of 20%": _flat_read(sink, top_k, nbytes // 5 // 64 * 64, 65536, 8),
+             "flat read": _flat_read(sink, top_k, nbytes, 65536, 8), "GEMV pair": step(tiles),
+             "mma pair, 2 + 2 warps, 3 stages": step(TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 2, mma=1))}
+    for records in (512, 128, 40):
+        pool = random_pool(layout, records)
+        order = torch.randperm(records, generator=torch.Generator().manual_seed(records)).tolist()
+        sets = [torch.tensor([pool[order[(i * top_k + k) % records]].data_ptr() for k in range(top_k)],
+                             device="cuda") for i in range(64)]
+        for name, fn in steps.items():
+            print(f"{records} records, {name}: {graphed_seconds(fn, sets) * 1e6:.2f} us a step", flush=True)
+        del pool, sets
 
 
 def main() -> None:
@@ -133,7 +246,9 @@ def main() -> None:
     gate_up_bytes = 2 * layout.intermediate_size * layout.hidden_size // 2
     print(f"HBM copy {hbm_copy_gbs():.0f} GB/s; gate/up words {g['top_k'] * gate_up_bytes / 1e6:.1f} MB a step")
     if "--scaling" in sys.argv:
-        return scaling(layout, sets, sink)
+        return scaling(layout, sets, sink, pool)
+    if "--pools" in sys.argv:
+        return pools(layout, sink, g["top_k"])
     for warps, stages in () if "--layer" in sys.argv else ((2, 0), (2, 3), (4, 0), (4, 3), (8, 2)):
         L = expert_mma._layouts(warps)
         cases = {
