@@ -2,7 +2,8 @@
 tuned GEMV pair, each over rotating expert sets in one CUDA graph (and at 1 row from L2: one set
 repeated), with each kernel's own time, in one run.
 
-python -m benchmarks.decode_mma [--trace]   (--trace: when each program of one step reaches each point)
+python -m benchmarks.decode_mma [--trace] [--trigger]   (--trace: when each program of one step reaches each point;
+--trigger: the down kernel launched once gate/up has 0-8 copy stages in, so its copies compete less)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from moestream.kernels.expert_mlp import TileConfig
 
 # (gate/up warps, down warps, copy stages in flight (1: all))
 MMA = [(2, 2, 3), (2, 4, 3), (2, 2, 2), (2, 2, 1), (4, 4, 3), (4, 2, 3), (8, 4, 2)]
+TRIGGERS = [0, 1, 2, 3, 4, 6, 8]  # gate/up's copy stages in when the down kernel may launch (of 8 at H 2048)
 
 
 def _l2_us(layout, pool, cfg) -> float:
@@ -37,7 +39,7 @@ def _l2_us(layout, pool, cfg) -> float:
 SLOTS = ["start", "issued", "operands in smem", "stage 0 in", "last stage in", "computed", "stored"]
 
 
-def trace(layout, pool, warps: int, warps_down: int, stages: int) -> None:
+def trace(layout, pool, warps: int, warps_down: int, stages: int, trigger: int = 0) -> None:
     """Steps of 1 row back to back in one CUDA graph over rotating expert sets (from HBM), and then one set
     repeated (from L2): for the middle step, each point's time after its first gate/up program started, in
     quantiles over the programs (us), for both kernels; then the previous step's last store."""
@@ -50,7 +52,8 @@ def trace(layout, pool, warps: int, warps_down: int, stages: int) -> None:
                 g["top_k"] * layout.hidden_size // (16 * warps_down))
     stamps = [tuple(torch.zeros(p, 8, dtype=torch.int64, device="cuda") for p in programs) for _ in sets]
     step = functools.partial(expert_mma.launch_decode_mma, x, out, entries, layout=layout, top_k=g["top_k"],
-                             offsets=expert_mlp._offsets(layout), warps=warps, warps_down=warps_down, stages=stages)
+                             offsets=expert_mlp._offsets(layout), warps=warps, warps_down=warps_down, stages=stages,
+                             trigger=trigger)
     q = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)
     for where, chosen in (("HBM", sets), ("L2", sets[:1] * len(sets))):
         for a, t in zip(chosen[:2], stamps):
@@ -66,7 +69,7 @@ def trace(layout, pool, warps: int, warps_down: int, stages: int) -> None:
         t0 = host[0][:, 0].min()
         before = (stamps[mid - 1][1][:, 6].max().cpu() - t0) / 1e3
         pdl = os.environ.get("MOESTREAM_PDL", "down")
-        print(f"mma {warps}+{warps_down} warps, stages {stages}, PDL {pdl}, from {where}: "
+        print(f"mma {warps}+{warps_down} warps, stages {stages}, trigger {trigger}, PDL {pdl}, from {where}: "
               f"the step before stored its last at {before:.2f} us; quantiles 0/10/50/90/100%:")
         for name, s in zip(("gate/up", "down"), host):
             for slot, label in enumerate(SLOTS):
@@ -80,14 +83,16 @@ def main() -> None:
     layout = RecordLayout.build("q4", g["hidden"], g["inter"])
     pool = random_pool(layout, 4 * g["experts"])
     if "--trace" in sys.argv:
-        for cfg in [(2, 2, 3), (2, 2, 1), (2, 4, 3)]:
+        for cfg in [(2, 2, 3, t) for t in (0, 2, 4)] if "--trigger" in sys.argv else [(2, 2, 3), (2, 2, 1), (2, 4, 3)]:
             trace(layout, pool, *cfg)
         return
     copy = hbm_copy_gbs()
     print(f"HBM copy {copy:.0f} GB/s; a layer's step reads {g['top_k'] * layout.record_bytes / 1e6:.1f} MB a row")
     tuned = dataclasses.replace(expert_mlp.tile_config("decode", layout), fused=0)
     first = None
-    for cfg in [tuned] + [TileConfig(1, 8, 2048, 16, 1024, w, s, 0, wd, mma=1) for w, wd, s in MMA]:
+    mma = ([(w, wd, s, t) for w, wd, s in MMA[:2] for t in TRIGGERS] if "--trigger" in sys.argv else
+           [(w, wd, s, 0) for w, wd, s in MMA])
+    for cfg in [tuned] + [TileConfig(1, 8, 2048, 16, 1024, w, s, 0, wd, mma=1, trigger=t) for w, wd, s, t in mma]:
         try:
             runs = [decode_case(layout, pool, rows, g["top_k"], cfg, split=True) for rows in (1, 4)]
             l2 = _l2_us(layout, pool, cfg)
@@ -97,7 +102,7 @@ def main() -> None:
         outs = [r.pop("out").float() for r in runs]
         first = first or outs
         name = ("GEMV pair (tuned)" if cfg is tuned else
-                f"mma {cfg.num_warps}+{cfg.down[0]} warps, stages {cfg.num_stages}")
+                f"mma {cfg.num_warps}+{cfg.down[0]} warps, stages {cfg.num_stages}, trigger {cfg.trigger}")
         parts = "; ".join(f"{r['rows']} rows {r['us']:.1f} us = {r['gbs'] / copy:.0%} ("
                           + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us")) + ")"
                           for r in runs)

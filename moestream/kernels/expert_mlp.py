@@ -43,6 +43,7 @@ class TileConfig:
     tail_bm: int = 0  # prefill: an expert's last tile of at most tail_bm entries goes in a launch of that height
     mma: int = 0  # decode: 1 = Q4 on tensor cores (expert_mma.py; num_warps, warps_down and num_stages its tiles)
     fused: int = 0  # decode: 1 = gate/up and down tiles in one launch (triton/expert_fused.py; num_warps for both)
+    trigger: int = 0  # decode mma: the down kernel launches once gate/up has this many copy stages in (0: at once)
 
     @property
     def down(self) -> tuple[int, int]:
@@ -105,7 +106,7 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
     if cfg.mma and record_bits is None and expert_mma.supported(layout, cfg.num_warps, cfg.down[0]):
         return expert_mma.launch_decode_mma(x, out, entries, addr, layout, top_k, o, cfg.num_warps, cfg.down[0],
-                                            records, cfg.num_stages)
+                                            records, cfg.num_stages, trigger=cfg.trigger)
     # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's codes are placed as Q4 nibbles
     placed = 4 if layout.bits == 3 else layout.bits
     field_mask = 0 if layout.bits == 16 else ((1 << placed) - 1) << (23 - placed)

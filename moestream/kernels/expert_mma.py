@@ -50,9 +50,10 @@ def _stages(requested: int, k: int, warps: int) -> int:
 def launch_decode_mma(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, addr: torch.Tensor,
                       layout: RecordLayout, top_k: int, offsets: dict, warps: int, warps_down: int,
                       records: torch.Tensor | None = None, stages: int = 0,
-                      trace: tuple | None = None) -> None:
+                      trace: tuple | None = None, trigger: int = 0) -> None:
     """As expert_mlp.launch_decode (without `record_bits`), on tensor cores: x [T, H]; out [T * top_k, H].
-    `stages`: copy stages (CHUNK groups) in flight a program (0 or 1: all of them, up to 64 KB of words). `trace`
+    `stages`: copy stages (CHUNK groups) in flight a program (0 or 1: all of them, up to 64 KB of words). `trigger`:
+    the down kernel launches once every gate/up program has that many copy stages in (0: at their start). `trace`
     (benchmarks): int64 tensors [programs, 8] for each kernel's stamps (`stamp`)."""
     from moestream.kernels.triton.expert_mma import down_mma_kernel, gate_up_mma_kernel
 
@@ -68,8 +69,8 @@ def launch_decode_mma(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor,
     gate_up_mma_kernel[(n, inter // rows_block)](
         x, hf, hs, entries, addr, records, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"], o["up_s"], o["up_b"],
         field, H=hidden, I=inter, TOP_K=top_k, INDIRECT=indirect, PDL=pdl, WAIT=wait,
-        STAGES=_stages(stages, hidden, warps), TRACE=trace is not None, trace_ptr=stamps[0], HALVES=_halves(warps),
-        **_layouts(warps), num_warps=warps, **options(wait))
+        STAGES=_stages(stages, hidden, warps), TRIGGER=trigger, TRACE=trace is not None, trace_ptr=stamps[0],
+        HALVES=_halves(warps), **_layouts(warps), num_warps=warps, **options(wait))
     down_mma_kernel[(n, hidden // (16 * warps_down))](
         hf, hs, out, entries, addr, records, o["down_w"], o["down_s"], o["down_b"], field, H=hidden, I=inter,
         PARTS=64 // rows_block, INDIRECT=indirect, PDL=pdl,

@@ -92,3 +92,23 @@ def test_equals_the_gemv_within_rounding():
                                                                                    mma=mma))
         outs.append(out.float())
     assert (outs[0] - outs[1]).norm() / outs[0].norm() < 4e-3
+
+
+def test_the_down_launch_trigger_changes_only_timing():
+    """The down kernel launched once gate/up has 3 or all copy stages in computes the same bits as at once."""
+    from moestream.kernels import expert_mlp
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gen = torch.Generator().manual_seed(10)
+    layout = RecordLayout.build("q4", 2048, 768)
+    buf = make_buffer(layout, 8, gen)
+    x = torch.randn(2, 2048, generator=gen).to(DEVICE, torch.bfloat16)
+    entries = torch.arange(16, device=DEVICE)
+    addr = torch.tensor([buf[i % 8].data_ptr() for i in range(16)], device=DEVICE)
+    outs = []
+    for trigger in (0, 3, 8):
+        out = torch.full((16, 2048), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        cfg = TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 4, mma=1, trigger=trigger)
+        expert_mlp.launch_decode(x, out, entries, addr, layout, 8, cfg=cfg)
+        outs.append(out)
+    assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -236,14 +236,16 @@ def stamp(trace_ptr, slot: gl.constexpr, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def _dot(words, s_ptr, b_ptr, x_ptr, xs_ptr, field, PREP: gl.constexpr, WAIT: gl.constexpr, K: gl.constexpr,
+def _dot(words, s_ptr, b_ptr, x_ptr, xs_ptr, field, PREP: gl.constexpr, WAIT: gl.constexpr, TRIGGER: gl.constexpr,
+         K: gl.constexpr,
          PARTS: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, WORDS: gl.constexpr, COPY: gl.constexpr,
          MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr, STAGE: gl.constexpr,
          SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr, trace_ptr, TRACE: gl.constexpr):
     """[R] rows . one row of activations (`_activations`). The words come in copy stages of CHUNK groups, STAGES
     in flight (0, or at least the stage count: all at once); a stage computes once it is in, and frees its buffer
     for the stage STAGES on. The rows' scales and biases, and the activations unless they wait for the kernel
-    that wrote them (WAIT), load before the words: behind them they would arrive with the last stage."""
+    that wrote them (WAIT), load before the words: behind them they would arrive with the last stage. TRIGGER > 0:
+    the next kernel (a dependent) may launch once that many stages are in."""
     G: gl.constexpr = K // GROUP
     GP: gl.constexpr = triton.next_power_of_2(G)
     NS: gl.constexpr = triton.cdiv(G, CHUNK)  # copy stages
@@ -272,6 +274,8 @@ def _dot(words, s_ptr, b_ptr, x_ptr, xs_ptr, field, PREP: gl.constexpr, WAIT: gl
     for g0 in gl.static_range(0, G, BATCH):  # independent MMA chains side by side
         if g0 % CHUNK == 0:
             stage_in(buffers, words, g0 // CHUNK, S, NS, G, COPY)
+            if TRIGGER > 0 and g0 // CHUNK + 1 == (TRIGGER if TRIGGER < NS else NS):
+                gdc_launch_dependents()
             if g0 == 0:
                 stamp(trace_ptr, 3, TRACE)
             if g0 // CHUNK == NS - 1:
@@ -296,21 +300,21 @@ def _dot(words, s_ptr, b_ptr, x_ptr, xs_ptr, field, PREP: gl.constexpr, WAIT: gl
 def gate_up_mma_kernel(x_ptr, hf_ptr, hs_ptr, entries_ptr, addr_ptr, records_ptr, off_gw, off_gs, off_gb, off_uw,
                        off_us, off_ub, field, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr,
                        INDIRECT: gl.constexpr, PDL: gl.constexpr, WAIT: gl.constexpr, STAGES: gl.constexpr,
-                       TRACE: gl.constexpr, trace_ptr, WORDS: gl.constexpr, COPY: gl.constexpr,
-                       MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr,
+                       TRIGGER: gl.constexpr, TRACE: gl.constexpr, trace_ptr, WORDS: gl.constexpr,
+                       COPY: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr,
                        STAGE: gl.constexpr, SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr,
                        HALVES: gl.constexpr):
     """Program (i, blk): h[i] over rows blk * RB.. of I (RB = 8 x num_warps) = silu(gate rows . x) * (up rows . x),
     for routing entry entries[i] on the record at addr[i] (addr[records[i]] when INDIRECT). h goes in fragment
     order for the down kernel, with its sums a block (GROUP // RB blocks a group). The first half of the warps
-    takes the gate rows, the second the up rows. PDL: lets the down kernel start (to copy its words meanwhile);
-    WAIT: launched as a dependent; with addresses from the host (not INDIRECT) the words copy before the wait for
-    x."""
+    takes the gate rows, the second the up rows. PDL: lets the down kernel start (to copy its words meanwhile), at
+    once or with TRIGGER > 0 once that many copy stages are in (its copies then compete less with these); WAIT:
+    launched as a dependent; with addresses from the host (not INDIRECT) the words copy before the wait for x."""
     R: gl.constexpr = 16 * gl.num_warps()
     RB: gl.constexpr = R // 2
     trace_ptr = trace_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 8
     stamp(trace_ptr, 0, TRACE)
-    if PDL:
+    if PDL and TRIGGER == 0:
         gdc_launch_dependents()
     if WAIT and INDIRECT:  # the expert ids come from the kernel before
         gdc_wait()
@@ -318,8 +322,9 @@ def gate_up_mma_kernel(x_ptr, hf_ptr, hs_ptr, entries_ptr, addr_ptr, records_ptr
     blk = gl.program_id(1)
     words, s_ptr, b_ptr = matrix_rows(base, off_gw, off_gs, off_gb, blk * RB, H, R, COPY, STAGE, True, off_uw,
                                        off_us, off_ub)
-    y = _dot(words, s_ptr, b_ptr, x_ptr + (e // TOP_K) * H, x_ptr, field, True, WAIT and not INDIRECT, H, 1, STAGES,
-             R, WORDS, COPY, MMA, A, B, FRAG, STAGE, SUMS, ONE, LANES, trace_ptr, TRACE)
+    y = _dot(words, s_ptr, b_ptr, x_ptr + (e // TOP_K) * H, x_ptr, field, True, WAIT and not INDIRECT,
+             TRIGGER if PDL else 0, H, 1, STAGES, R, WORDS, COPY, MMA, A, B, FRAG, STAGE, SUMS, ONE, LANES, trace_ptr,
+             TRACE)
     gate, up = gl.split(gl.convert_layout(gl.permute(gl.reshape(y, [2, RB]), (1, 0)), HALVES))
     h = (gate / (1.0 + gl.exp(-gate)) * up).to(gl.bfloat16)
     k = blk * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, HALVES))  # column of the down matrix
@@ -349,7 +354,7 @@ def down_mma_kernel(hf_ptr, hs_ptr, y_ptr, entries_ptr, addr_ptr, records_ptr, o
     words, s_ptr, b_ptr = matrix_rows(base, off_dw, off_ds, off_db, blk * R, I, R, COPY, STAGE, False, off_dw,
                                        off_ds, off_db)
     i = gl.program_id(0)
-    y = _dot(words, s_ptr, b_ptr, hf_ptr + i * I, hs_ptr + i * (I // GROUP) * PARTS * 2, field, False, PDL, I, PARTS,
+    y = _dot(words, s_ptr, b_ptr, hf_ptr + i * I, hs_ptr + i * (I // GROUP) * PARTS * 2, field, False, PDL, 0, I, PARTS,
              STAGES, R, WORDS, COPY, MMA, A, B, FRAG, STAGE, SUMS, ONE, LANES, trace_ptr, TRACE)
     r = blk * R + gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
     gl.store(y_ptr + e * H + r, y.to(gl.bfloat16))
