@@ -74,41 +74,36 @@ def test_reads_the_table_by_expert_id():
     _check(2048, 768, 3, 8, records=True, seed=2)
 
 
-def test_equals_the_gemv_within_rounding():
-    """The same step through the FMA GEMVs and the tensor cores: both are fp32 sums of the same products."""
+def _outputs(cfgs, rows: int, seed: int) -> list:
+    """One Qwen3-30B-shaped step of `rows` rows (8 experts a row over 8 records) under each config, NaN-poisoned."""
     from moestream.kernels import expert_mlp
-    from moestream.kernels.expert_mlp import TileConfig
 
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     layout = RecordLayout.build("q4", 2048, 768)
     buf = make_buffer(layout, 8, gen)
-    x = torch.randn(1, 2048, generator=gen).to(DEVICE, torch.bfloat16)
-    entries = torch.arange(8, device=DEVICE)
-    addr = torch.tensor([buf[i].data_ptr() for i in range(8)], device=DEVICE)
+    x = torch.randn(rows, 2048, generator=gen).to(DEVICE, torch.bfloat16)
+    entries = torch.arange(8 * rows, device=DEVICE)
+    addr = torch.tensor([buf[i % 8].data_ptr() for i in range(8 * rows)], device=DEVICE)
     outs = []
-    for mma in (0, 1):
-        out = torch.empty(8, 2048, dtype=torch.bfloat16, device=DEVICE)
-        expert_mlp.launch_decode(x, out, entries, addr, layout, 8, cfg=TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4,
-                                                                                   mma=mma))
-        outs.append(out.float())
-    assert (outs[0] - outs[1]).norm() / outs[0].norm() < 4e-3
+    for cfg in cfgs:
+        out = torch.full((8 * rows, 2048), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        expert_mlp.launch_decode(x, out, entries, addr, layout, 8, cfg=cfg)
+        outs.append(out)
+    return outs
+
+
+def test_equals_the_gemv_within_rounding():
+    """The same step through the FMA GEMVs and the tensor cores: both are fp32 sums of the same products."""
+    from moestream.kernels.expert_mlp import TileConfig
+
+    gemv, mma = (o.float() for o in _outputs([TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4, mma=m) for m in (0, 1)],
+                                             1, 3))
+    assert (gemv - mma).norm() / gemv.norm() < 4e-3
 
 
 def test_the_down_launch_trigger_changes_only_timing():
     """The down kernel launched once gate/up has 3 or all copy stages in computes the same bits as at once."""
-    from moestream.kernels import expert_mlp
     from moestream.kernels.expert_mlp import TileConfig
 
-    gen = torch.Generator().manual_seed(10)
-    layout = RecordLayout.build("q4", 2048, 768)
-    buf = make_buffer(layout, 8, gen)
-    x = torch.randn(2, 2048, generator=gen).to(DEVICE, torch.bfloat16)
-    entries = torch.arange(16, device=DEVICE)
-    addr = torch.tensor([buf[i % 8].data_ptr() for i in range(16)], device=DEVICE)
-    outs = []
-    for trigger in (0, 3, 8):
-        out = torch.full((16, 2048), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        cfg = TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 4, mma=1, trigger=trigger)
-        expert_mlp.launch_decode(x, out, entries, addr, layout, 8, cfg=cfg)
-        outs.append(out)
-    assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    outs = _outputs([TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 4, mma=1, trigger=t) for t in (0, 3, 8)], 2, 10)
+    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
