@@ -237,10 +237,10 @@ def stamp(trace_ptr, slot: gl.constexpr, TRACE: gl.constexpr):
 
 @gluon.jit
 def _dot(words, s_ptr, b_ptr, x_ptr, xs_ptr, field, PREP: gl.constexpr, WAIT: gl.constexpr, TRIGGER: gl.constexpr,
-         K: gl.constexpr,
-         PARTS: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, WORDS: gl.constexpr, COPY: gl.constexpr,
-         MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr, STAGE: gl.constexpr,
-         SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr, trace_ptr, TRACE: gl.constexpr):
+         K: gl.constexpr, PARTS: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, WORDS: gl.constexpr,
+         COPY: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, FRAG: gl.constexpr,
+         STAGE: gl.constexpr, SUMS: gl.constexpr, ONE: gl.constexpr, LANES: gl.constexpr, trace_ptr,
+         TRACE: gl.constexpr):
     """[R] rows . one row of activations (`_activations`). The words come in copy stages of CHUNK groups, STAGES
     in flight (0, or at least the stage count: all at once); a stage computes once it is in, and frees its buffer
     for the stage STAGES on. The rows' scales and biases, and the activations unless they wait for the kernel
