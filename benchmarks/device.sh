@@ -57,6 +57,9 @@ for stage in "$@"; do
                  echo "--- ${opt:-defaults}"
                  env $opt timeout 100 python -m benchmarks.bench_e2e /tmp/s12 --decode --decode-modes graph 2>&1 | grep "'mode'"
                done | tee "$OUT/decode-ab.log" ;;
+    mma-next) timeout 200 python -m pytest -q -n 8 -m gpu tests/kernels/test_expert_mma.py 2>&1 | tee "$OUT/gpu-mma-tests.log" | tail -2
+              timeout 240 python -m benchmarks.decode_mma --trigger 2>&1 | tee "$OUT/decode-mma-trigger.log" | tail -16
+              timeout 90 python -m benchmarks.decode_mma --trigger --trace 2>&1 | tee "$OUT/trace-trigger.log" | tail -60 ;;
     first-prompt) timeout 120 python -m benchmarks.first_prompt 2>&1 | tee "$OUT/first-prompt.log" ;;
     limits) wait_stores; suite 120 limits ;;
     suite-30b) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes q4 ;;
