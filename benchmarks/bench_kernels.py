@@ -89,7 +89,7 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, spl
                 alone.replay()
             torch.cuda.synchronize()
         for e in prof.key_averages():
-            if any(k in e.key for k in ("gemv_kernel", "mma_kernel", "prepare_kernel", "fused_decode_kernel")):
+            if any(k in e.key for k in ("gemv_kernel", "mma_kernel", "fused_decode_kernel")):
                 name = e.key.replace("_gemv_kernel", "").replace("_kernel", "")  # mma's never compose with GEMVs'
                 result[f"{name}_us"] = e.device_time_total / max(e.count, 1)
     return result

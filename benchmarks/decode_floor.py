@@ -209,20 +209,26 @@ def scaling(layout, sets, sink, pool) -> None:
             print(f"{'PDL' if pdl else 'plain'}, {name}: {us:.2f} us a step", flush=True)
 
 
+MMA_2X2 = TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 2, mma=1)  # the mma pair: 2 + 2 warps, 3 copy stages
+
+
+def _layer_step(layout, top_k: int):
+    """cfg -> a 1-row layer step through `launch_decode` with those tiles, reading the records at addresses a."""
+    x, out, entries = one_row(layout, top_k)
+    h = torch.empty(top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    return lambda cfg: lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, top_k, h=h, cfg=cfg)
+
+
 def pools(layout, sink, top_k: int) -> None:
     """The same steps over pools of 512, 128 (one layer) and 40 records, in disjoint sets of 8 taken in turn (a
     record comes back only after all the others, so L2 cannot serve it): whether the bytes' address span (the
     TLB's reach) sets a step's floor."""
-    x, out, entries = one_row(layout, top_k)
-    h = torch.empty(top_k, layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
-    tiles = expert_mlp.tile_config("decode", layout)
+    step = _layer_step(layout, top_k)
     nbytes = layout.record_bytes // 64 * 64
-
-    def step(cfg):
-        return lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, top_k, h=h, cfg=cfg)
     steps = {"flat read of 20%": _flat_read(sink, top_k, nbytes // 5 // 64 * 64, 65536, 8),
-             "flat read": _flat_read(sink, top_k, nbytes, 65536, 8), "GEMV pair": step(tiles),
-             "mma pair, 2 + 2 warps, 3 stages": step(TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 2, mma=1))}
+             "flat read": _flat_read(sink, top_k, nbytes, 65536, 8),
+             "GEMV pair": step(expert_mlp.tile_config("decode", layout)),
+             "mma pair, 2 + 2 warps, 3 stages": step(MMA_2X2)}
     for records in (512, 128, 40):
         pool = random_pool(layout, records)
         order = torch.randperm(records, generator=torch.Generator().manual_seed(records)).tolist()
@@ -236,19 +242,19 @@ def pools(layout, sink, top_k: int) -> None:
 def main() -> None:
     g = QWEN3_30B
     layout = RecordLayout.build("q4", g["hidden"], g["inter"])
+    sink = torch.empty(1, dtype=torch.int32, device="cuda")
+    gate_up_bytes = 2 * layout.intermediate_size * layout.hidden_size // 2
+    print(f"HBM copy {hbm_copy_gbs():.0f} GB/s; gate/up words {g['top_k'] * gate_up_bytes / 1e6:.1f} MB a step")
+    if "--pools" in sys.argv:  # builds its own pools: none of the 512 records below
+        return pools(layout, sink, g["top_k"])
     pool = random_pool(layout, 4 * g["experts"])
     rng = random.Random(1)
     sets = [torch.tensor([pool[e].data_ptr() for e in rng.sample(range(pool.shape[0]), g["top_k"])], device="cuda")
             for _ in range(64)]
     x, out, entries = one_row(layout, g["top_k"])
     o = _offsets(layout)
-    sink = torch.empty(1, dtype=torch.int32, device="cuda")
-    gate_up_bytes = 2 * layout.intermediate_size * layout.hidden_size // 2
-    print(f"HBM copy {hbm_copy_gbs():.0f} GB/s; gate/up words {g['top_k'] * gate_up_bytes / 1e6:.1f} MB a step")
     if "--scaling" in sys.argv:
         return scaling(layout, sets, sink, pool)
-    if "--pools" in sys.argv:
-        return pools(layout, sink, g["top_k"])
     for warps, stages in () if "--layer" in sys.argv else ((2, 0), (2, 3), (4, 0), (4, 3), (8, 2)):
         L = expert_mma._layouts(warps)
         cases = {
@@ -266,15 +272,12 @@ def main() -> None:
             rate = g["top_k"] * gate_up_bytes / us / 1e3
             print(f"warps {warps}, {name}: {us:.1f} us a step, words at {rate:.0f} GB/s; L2 {l2:.1f} us", flush=True)
     layer_bytes = g["top_k"] * layout.record_bytes
-    h = torch.empty(g["top_k"], layout.intermediate_size, device="cuda", dtype=torch.bfloat16)
     tiles = expert_mlp.tile_config("decode", layout)
-
-    def step(cfg):
-        return lambda a: expert_mlp.launch_decode(x, out, entries, a, layout, g["top_k"], h=h, cfg=cfg)
+    step = _layer_step(layout, g["top_k"])
     steps = {f"GEMV pair {tiles}": step(dataclasses.replace(tiles, fused=0)),
              "fused (16, 2048, 32, 1024), 4 warps": step(TileConfig(1, 16, 2048, 32, 1024, 4, 1, fused=1)),
              "mma pair, 4 + 4 warps": step(TileConfig(1, 8, 2048, 16, 1024, 4, 1, 0, 4, mma=1)),
-             "mma pair, 2 + 2 warps, 3 stages": step(TileConfig(1, 8, 2048, 16, 1024, 2, 3, 0, 2, mma=1))}
+             "mma pair, 2 + 2 warps, 3 stages": step(MMA_2X2)}
     for chunk, warps in [(8192, 4), (16384, 4), (32768, 4), (32768, 8), (65536, 8)]:
         steps[f"flat read, {chunk // 1024} KB a program, {warps} warps"] = _flat_read(sink, g["top_k"],
                                                                                    layout.record_bytes, chunk, warps)
