@@ -39,6 +39,21 @@ def _l2_us(layout, pool, cfg) -> float:
 SLOTS = ["start", "issued", "operands in smem", "stage 0 in", "last stage in", "computed", "stored"]
 
 
+def replay_traced(step, sets: list, stamps: list) -> tuple[list, list]:
+    """step(addr=a, trace=t) for a, t in `sets`, `stamps` back to back in one CUDA graph, replayed once: the middle
+    step's stamps and the step before's, on the host."""
+    for a, t in zip(sets[:2], stamps):
+        step(addr=a, trace=t)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a, t in zip(sets, stamps):
+            step(addr=a, trace=t)
+    graph.replay()
+    torch.cuda.synchronize()
+    mid = len(sets) // 2
+    return [t.cpu() for t in stamps[mid]], [t.cpu() for t in stamps[mid - 1]]
+
+
 def trace(layout, pool, warps: int, warps_down: int, stages: int, trigger: int = 0) -> None:
     """Steps of 1 row back to back in one CUDA graph over rotating expert sets (from HBM), and then one set
     repeated (from L2): for the middle step, each point's time after its first gate/up program started, in
@@ -56,18 +71,9 @@ def trace(layout, pool, warps: int, warps_down: int, stages: int, trigger: int =
                              trigger=trigger)
     q = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)
     for where, chosen in (("HBM", sets), ("L2", sets[:1] * len(sets))):
-        for a, t in zip(chosen[:2], stamps):
-            step(addr=a, trace=t)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for a, t in zip(chosen, stamps):
-                step(addr=a, trace=t)
-        graph.replay()
-        torch.cuda.synchronize()
-        mid = len(sets) // 2
-        host = [t.cpu() for t in stamps[mid]]
+        host, previous = replay_traced(step, chosen, stamps)
         t0 = host[0][:, 0].min()
-        before = (stamps[mid - 1][1][:, 6].max().cpu() - t0) / 1e3
+        before = (previous[1][:, 6].max() - t0) / 1e3
         pdl = os.environ.get("MOESTREAM_PDL", "down")
         print(f"mma {warps}+{warps_down} warps, stages {stages}, trigger {trigger}, PDL {pdl}, from {where}: "
               f"the step before stored its last at {before:.2f} us; quantiles 0/10/50/90/100%:")

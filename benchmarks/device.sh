@@ -60,6 +60,8 @@ for stage in "$@"; do
     mma-next) timeout 200 python -m pytest -q -n 8 -m gpu tests/kernels/test_expert_mma.py 2>&1 | tee "$OUT/gpu-mma-tests.log" | tail -2
               timeout 240 python -m benchmarks.decode_mma --trigger 2>&1 | tee "$OUT/decode-mma-trigger.log" | tail -16
               timeout 90 python -m benchmarks.decode_mma --trigger --trace 2>&1 | tee "$OUT/trace-trigger.log" | tail -60 ;;
+    phases) timeout 200 python -m benchmarks.decode_phases 2>&1 | tee "$OUT/phases.log" | tail -16
+            timeout 100 python -m benchmarks.decode_phases --trace 2>&1 | tee "$OUT/phases-trace.log" | tail -20 ;;
     first-prompt) timeout 120 python -m benchmarks.first_prompt 2>&1 | tee "$OUT/first-prompt.log" ;;
     limits) wait_stores; suite 120 limits ;;
     suite-30b) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b=$STORE --modes q4 ;;
