@@ -28,16 +28,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from benchmarks.bench_kernels import QWEN3_30B, graphed_seconds, one_row, random_pool
 from benchmarks.common import hbm_copy_gbs
-from benchmarks.decode_floor import MMA_2X2, _flat_read, _layer_step
+from benchmarks.decode_floor import MMA_2X2, _flat_read, _layer_step, _xor
 from benchmarks.decode_mma import SLOTS, replay_traced
 from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp, expert_mma
 from moestream.kernels.launch import options
-
-
-@triton.jit
-def _xor(a, b):
-    return a ^ b
 
 
 @triton.jit
