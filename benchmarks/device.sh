@@ -32,7 +32,7 @@ for stage in "$@"; do
                echo $! > /tmp/stores.pid ;;
     invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
-    kernel-tests) timeout 240 python -m pytest -q -n 4 -m gpu ${KERNEL_TESTS:-tests/kernels tests/quant} 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
+    kernel-tests) timeout 400 python -m pytest -q -n 8 -m gpu ${KERNEL_TESTS:-tests/kernels tests/quant} 2>&1 | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
     kernels) timeout 330 python -m benchmarks.bench_kernels --quick --tune 2>&1 | tee "$OUT/kernels.log" | tail -12
              keep_tiles ;;
     kernels-decode) timeout 300 python -m benchmarks.bench_kernels --quick --tune --phases decode \
