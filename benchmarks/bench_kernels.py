@@ -1,8 +1,10 @@
 """Expert kernels on the GPU against their limits: decode (bytes / HBM bandwidth) and prefill
-(FLOPs / dense bf16 matmul rate), sweeping tile configs. `--tune` writes the best configs to
+(FLOPs / dense bf16 matmul rate), sweeping tile configs. `--tune` writes the packaged tile table with the best
+configs into the output folder (`<out>/expert_mlp.json`); only `--install` also writes it over the packaged
 moestream/kernels/configs/expert_mlp.json.
 
-python -m benchmarks.bench_kernels [--tune] [--quick] [--phases decode,prefill] [--precisions q4,q3] [--host]
+python -m benchmarks.bench_kernels [--tune [--install]] [--quick] [--phases decode,prefill] [--precisions q4,q3]
+                                   [--host]
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import itertools
 import json
 import os
 import random
-from unittest import mock
 
 import torch
 
@@ -77,21 +78,24 @@ def decode_case(layout, pool, rows, top_k, cfg: TileConfig, calls: int = 64, spl
     seconds = graphed_seconds(step, sets)
     nbytes = distinct * layout.record_bytes
     result = {"rows": rows, "us": seconds * 1e6, "gbs": nbytes / seconds / 1e9, "bytes": nbytes, "out": out.clone()}
-    if split:  # without dependent launches, or the down kernel's time holds its wait for gate/up
+    if split:
         from torch.profiler import ProfilerActivity, profile
 
-        alone = torch.cuda.CUDAGraph()
-        with mock.patch.dict(os.environ, {"MOESTREAM_PDL": "off"}), torch.cuda.graph(alone):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             for a in sets:
                 step(a)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(4):
-                alone.replay()
+                graph.replay()
             torch.cuda.synchronize()
         for e in prof.key_averages():
-            if any(k in e.key for k in ("gemv_kernel", "mma_kernel", "fused_decode_kernel")):
-                name = e.key.replace("_gemv_kernel", "").replace("_kernel", "")  # mma's never compose with GEMVs'
-                result[f"{name}_us"] = e.device_time_total / max(e.count, 1)
+            if "gemv_kernel" in e.key:
+                result[f"{e.key.replace('_gemv_kernel', '')}_us"] = e.device_time_total / max(e.count, 1)
+        # down is a dependent launch that starts during gate/up: its own span holds that wait, so down's share of
+        # the step is what follows gate/up
+        if "gate_up_us" in result:
+            result["down_tail_us"] = result["us"] - result["gate_up_us"]
     return result
 
 
@@ -121,9 +125,8 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
             "out": out.clone()}
 
 
-# A 4096-token prefill runs each layer either resident (one launch over all 128 experts) or streamed (ring batches
-# of 16 experts, 256 rows each). Tiles tuned on the first alone (dd437ab) launched too few programs for the
-# second: the suite's streamed prefill fell from 69% to 47% of its bound.
+# A 4096-token prefill runs a layer resident (one launch, 128 experts) or streamed (ring batches of 16): tiles tuned
+# on the first alone launched too few programs for the second (suite v6: streamed prefill 69% -> 47% of its bound).
 RING_BATCH = ExpertConfig.ring_group
 RING_BATCHES = QWEN3_30B["experts"] // RING_BATCH
 
@@ -140,39 +143,20 @@ def prefill_score(runs: list[dict]) -> float:
     return 1e3 / (runs[0]["ms"] + RING_BATCHES * runs[1]["ms"])
 
 
-# Decode "stages" S = S - 1 chunks' weights loaded ahead while one computes (the GEMVs' own prefetch, up to 3).
-# At one row a layer's GEMVs are a chain of chunk loads (~0.7 us of HBM latency each) with few warps to hide
-# them, so these open the sweep: one chunk for all of K (2048; down's 768 as 512 + 256) or prefetched chunks,
-# with 16-32 rows a program so that each thread reuses its activations over two rows (SASS counted for sm_90
-# here: 3.1-3.4 instructions per code against 5.3 for the session-11 best, which follows with prefetch); then
-# all of K in flight as chunks computed one by one (a chunk's code loop needs every word of it, so one chunk
-# computes only once all of it is in: session 15's reading of why the arithmetic does not overlap the loads).
+# Decode "stages" S: S - 1 chunks' weights loaded ahead while one computes (up to 3). At one row a chain of chunk
+# loads (~0.7 us of HBM latency each) is what costs, so the sweep opens with all of K in one chunk (down's 768 as
+# 512 + 256), then prefetched chunks; 16-32 rows a program reuse each thread's activations over two rows.
 DECODE_FIRST = [TileConfig(1, 16, 2048, 32, 1024, 4, 1), TileConfig(1, 8, 2048, 16, 1024, 2, 1),
                 TileConfig(1, 32, 2048, 64, 1024, 8, 1), TileConfig(1, 16, 1024, 32, 256, 4, 2),
                 TileConfig(1, 8, 1024, 16, 256, 2, 2), TileConfig(1, 8, 512, 16, 256, 2, 2),
                 TileConfig(1, 16, 2048, 16, 1024, 4, 1), TileConfig(1, 8, 256, 16, 256, 2, 2),
-                TileConfig(1, 8, 512, 16, 256, 2, 4, 0, 2, 3), TileConfig(1, 8, 1024, 16, 256, 2, 2, 0, 2, 3),
-                TileConfig(1, 16, 512, 32, 256, 4, 4, 0, 4, 3)]
-# Q4 on tensor cores (expert_mma.py): num_warps the gate/up program's (8 x warps gate rows and as many up rows),
-# warps_down the down program's (16 rows a warp), num_stages its copy stages in flight (1: all). Offline sm_90, 2 warps,
-# 3 stages: gate/up 2.07 instructions a code, 80 registers; down 2.25, 51. H200 (session 21, decode_mma): 1 row
-# 12.8-13.0 us against the GEMV pair's 13.6-13.9, 4 rows 35.6-36.8 against 31.8, so the quick sweep leaves them out.
-MMA_FIRST = [TileConfig(1, 8, 2048, 16, 1024, w, s, 0, wd, mma=1) for w, wd, s in
-             [(2, 4, 3), (2, 2, 3), (2, 2, 2), (4, 4, 3), (4, 2, 3)]]
-# gate/up and down tiles in one launch (triton/expert_fused.py), to pay a launch's ramp and drain once a layer. Offline
-# sm_90, the committed tiles fused: 128 registers (gate/up's alone: 128; down's: 48). H200 (session 20): no faster
-# than the pair at 1 row (13.2-13.9 us against 13.5; from L2 11.2 against 11.1) and slower at 4 (34.8 against 31.9),
-# so the quick sweep, which ranks by 1 row, leaves it out.
-FUSED_FIRST = [TileConfig(1, bn, bk, bnd, bkd, w, s, fused=1) for bn, bk, bnd, bkd, w, s in
-               [(8, 2048, 16, 1024, 2, 1), (16, 2048, 32, 1024, 4, 1), (8, 2048, 32, 1024, 2, 1),
-                (8, 1024, 16, 256, 2, 2), (16, 1024, 32, 256, 4, 2), (8, 2048, 16, 1024, 4, 1),
-                (4, 2048, 16, 1024, 2, 1), (16, 2048, 16, 1024, 4, 1), (32, 2048, 64, 1024, 8, 1)]]
+                TileConfig(1, 8, 512, 16, 256, 2, 4, warps_down=2, stages_down=3),
+                TileConfig(1, 8, 1024, 16, 256, 2, 2, warps_down=2, stages_down=3),
+                TileConfig(1, 16, 512, 32, 256, 4, 4, warps_down=4, stages_down=3)]
 
 
-# Graphed host-tier decode reads each miss in place over PCIe, where the pieces a load covers matter, not the
-# instructions: Q3/Q2 rows of down's 768 columns are 192 / 96 bytes, so 768 = 512 + 256 reads 128-byte lines in
-# parts (rows are not line-aligned; Q4's 384-byte rows are). A whole row as one masked chunk (masked_tail at
-# BK 1024) reads 4 rows' 768 contiguous bytes per warp load. Offline sm_90: Q3 down 6 LDG.E.128 and 128 registers.
+# Host-tier decode reads misses in place over PCIe, where whole 128-byte lines matter: Q3/Q2 down rows (192 / 96
+# bytes) split 512 + 256 read lines in parts; one masked chunk (masked_tail) reads each row whole.
 HOST_FIRST = [*(TileConfig(1, bn, 2048, bnd, 1024, w, 1, masked_tail=1) for bn, bnd, w in
                 [(8, 16, 2), (16, 32, 4), (8, 8, 2), (8, 32, 4)]),
               TileConfig(1, 16, 2048, 16, 1024, 4, 1), TileConfig(1, 8, 1024, 16, 256, 2, 2)]
@@ -184,17 +168,19 @@ def _error(outs: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 def composed_decode(scored: list) -> TileConfig | None:
-    """The fastest gate/up tiles with the fastest down tiles, each judged by its own kernel's time at 1 row (the
+    """The fastest gate/up tiles with the fastest down tiles, each judged by its own share of the step at 1 row (the
     sweep's configs pair them at random), or None without per-kernel times."""
     def best(kernel):
         timed = [(cfg, r) for _, cfg, r in scored if all(f"{kernel}_us" in x for x in r)]
         return min(timed, key=lambda t: t[1][0][f"{kernel}_us"])[0] if timed else None
 
-    up, down = best("gate_up"), best("down")
+    up, down = best("gate_up"), best("down_tail")
     if up is None or down is None:
         return None
-    return TileConfig(1, up.bn_gate_up, up.bk_gate_up, down.bn_down, down.bk_down, up.num_warps, up.num_stages, 0,
-                      *down.down, masked_tail=down.masked_tail)  # the flag serves both; only down's K has a tail
+    warps_down, stages_down = down.down
+    return TileConfig(1, up.bn_gate_up, up.bk_gate_up, down.bn_down, down.bk_down, up.num_warps, up.num_stages,
+                      warps_down=warps_down, stages_down=stages_down,
+                      masked_tail=down.masked_tail)  # the flag serves both; only down's K has a tail
 
 
 def _fits_bf16(cfg: TileConfig) -> bool:
@@ -209,44 +195,32 @@ def decode_configs(quick: bool):
     out = [TileConfig(1, bn, bk, bnd, bkd, w, s) for bn, bk, bnd, bkd, w, s in grid
            if 1024 * w <= bn * bk <= 16384 * w and 1024 * w <= bnd * bkd <= 16384 * w]
     random.Random(0).shuffle(out)
-    first = DECODE_FIRST + ([] if quick else FUSED_FIRST + MMA_FIRST)  # both slower than the GEMV pair
-    return first + [c for c in out if c not in DECODE_FIRST][: 10 if quick else 54]
+    return DECODE_FIRST + [c for c in out if c not in DECODE_FIRST][: 10 if quick else 54]
 
 
-# First in every prefill sweep: BM 256 holds a whole expert's rows at 4096 tokens (about 256 per expert), so
-# each weight tile is dequantized once, not once per 128 rows (compiled here for sm_90: no spills, <= 115 KB
-# of shared memory); then the runners-up of the session-11 sweep; then swapped tiles (weights as the MMA's
-# register operand; compiled here, 256 entries x 64 weight rows issue ~0.6x the instructions per MAC of the best
-# unswapped tile, at ~245 registers: one CTA an SM).
-# First of all, codes unpacked in the thread that loaded their word (unpack 2): with unpack 1 Triton spread each
-# word's codes over the lanes, so each thread unpacked one code per word and loaded a scale per code. Offline
-# sm_90, the committed swapped tiles, instructions a warp a K step: gate/up 557 -> 336, down 506 -> 276; scale
-# loads 64 -> 4; no spills. With gate and up joined in one tile (join: 64 gate + 64 up rows, one 64x256 MMA where
-# there were two 64x128): 281.
-# With unpack 2 a step's scales and biases are a few registers a thread, so loading them a step ahead
-# (affine_ahead, joined and down tiles: 246 -> 248 and 227 -> 231 registers) costs little.
-PREFILL_FIRST = [TileConfig(256, 64, 64, 128, 64, 8, 3, 2, swap=1),
-                 TileConfig(256, 128, 64, 128, 64, 8, 3, 2, swap=1, join=1),
-                 TileConfig(256, 128, 64, 128, 64, 8, 3, 2, swap=1, join=1, affine_ahead=1),
-                 TileConfig(256, 64, 64, 128, 64, 8, 2, 2, swap=1), TileConfig(256, 64, 64, 64, 64, 8, 3, 2),
-                 TileConfig(256, 128, 64, 128, 64, 8, 3, 1, swap=1, join=1),
-                 TileConfig(256, 64, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 8, 2, 1),
-                 TileConfig(256, 32, 64, 64, 64, 8, 3, 1), TileConfig(256, 64, 64, 64, 64, 16, 3, 1),
-                 TileConfig(128, 64, 64, 128, 128, 8, 4, 1), TileConfig(128, 64, 64, 64, 128, 4, 3, 1),
-                 *(TileConfig(bm, bn, 64, bnd, 64, 8, s, 1, swap=1) for bm, bn, bnd, s in
-                   [(256, 64, 128, 3), (256, 64, 128, 2), (256, 64, 64, 2), (128, 128, 128, 2)])]
+# First in every prefill sweep: BM 256 holds a whole expert's rows at 4096 tokens (~256 an expert), so a weight
+# tile is dequantized once; swapped tiles make the dequantized weights wgmma's register operand, and joined gate/up
+# tiles run one 64x256 MMA a step where there were two 64x128 (kernels v16: 1.4 -> 1.1 ms a resident Q4 layer).
+PREFILL_FIRST = [
+    TileConfig(256, 128, 64, 128, 64, 8, 3, swap=1, join=1), TileConfig(256, 64, 64, 128, 64, 8, 3, swap=1),
+    TileConfig(256, 64, 64, 128, 64, 8, 2, swap=1), TileConfig(256, 64, 64, 64, 64, 8, 2, swap=1),
+    TileConfig(128, 128, 64, 128, 64, 8, 2, swap=1), TileConfig(256, 64, 64, 64, 64, 8, 3),
+    TileConfig(256, 64, 64, 64, 64, 8, 2), TileConfig(256, 32, 64, 64, 64, 8, 3),
+    TileConfig(256, 64, 64, 64, 64, 16, 3), TileConfig(128, 64, 64, 128, 128, 8, 4),
+    TileConfig(128, 64, 64, 64, 128, 4, 3)]
 
 
 def prefill_configs(quick: bool):
-    grid = itertools.product([64, 128, 256], [64, 128], [64, 128], [64, 128], [64, 128], [4, 8], [2, 3, 4], [0, 1, 2])
-    out = [TileConfig(bm, bn, bk, bnd, bkd, w, s, u) for bm, bn, bk, bnd, bkd, w, s, u in grid]
+    grid = itertools.product([64, 128, 256], [64, 128], [64, 128], [64, 128], [64, 128], [4, 8], [2, 3, 4])
+    out = [TileConfig(*dims) for dims in grid]
     random.Random(1).shuffle(out)
     return PREFILL_FIRST + [c for c in out if c not in PREFILL_FIRST][: 10 if quick else 42]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tune", action="store_true")
+    p.add_argument("--tune", action="store_true", help="write the tile table with the winners to <out>/expert_mlp.json")
+    p.add_argument("--install", action="store_true", help="--tune, and write the table over the packaged one too")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--phases", default="decode,prefill")
     p.add_argument("--precisions", default="q4,bf16,q3,q2", help="a sweep of all four can outlast a 300 s call")
@@ -275,7 +249,7 @@ def main() -> None:
             current = expert_mlp.tile_config(phase, layout)  # the tuned tiles so far: a sweep never regresses
             for cfg in [current] + [c for c in configs if c != current]:
                 no_bf16 = precision == "bf16" and not _fits_bf16(cfg)
-                if phase == "decode" and (no_bf16 or (cfg.mma and precision != "q4")):  # mma: Q4 only
+                if phase == "decode" and no_bf16:
                     continue
                 try:
                     if phase == "decode":  # quantized kernels timed one by one too, to compose the best of each
@@ -327,8 +301,8 @@ def main() -> None:
             # low-bit experts exist for streaming: their decode tiles are chosen by how they read the host tier
             if phase != "decode" or (layout.bits in (2, 3)) == args.host:
                 best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
-            for x in r if phase == "decode" else ():  # where the best tiles' time goes: each kernel alone
-                print(f"{precision} decode, {x['rows']} rows: {x['us']:.1f} us a step; kernels alone: "
+            for x in r if phase == "decode" else ():  # where the best tiles' time goes, kernel by kernel
+                print(f"{precision} decode, {x['rows']} rows: {x['us']:.1f} us a step; per kernel: "
                       + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in x.items() if k.endswith("_us")))
             for x in r:
                 if phase == "decode":
@@ -358,13 +332,14 @@ def main() -> None:
                    f"{x['tflops']:.0f} TFLOP/s", f"{x['tflops'] / mm:.0%} of dense bf16"] for x in r]
     results["best"] = best
     name = "kernels-host" if args.host else "kernels"
-    write(out_dir(name), name, results, table, ["experts", "phase", "rows", "time", "rate", "vs limit"])
-    if args.tune:
-        os.makedirs(os.path.dirname(CONFIG_PATH), exist_ok=True)
-        merged = json.load(open(CONFIG_PATH)) if os.path.isfile(CONFIG_PATH) else {}
-        with open(CONFIG_PATH, "w") as f:
-            json.dump({**merged, **best}, f, indent=1)
-        print(f"wrote {CONFIG_PATH}")
+    out = out_dir(name)
+    write(out, name, results, table, ["experts", "phase", "rows", "time", "rate", "vs limit"])
+    if args.tune or args.install:  # the packaged table with this sweep's winners: beside the results unless installed
+        packaged = json.load(open(CONFIG_PATH)) if os.path.isfile(CONFIG_PATH) else {}
+        for path in [os.path.join(out, "expert_mlp.json")] + ([CONFIG_PATH] if args.install else []):
+            with open(path, "w") as f:
+                json.dump({**packaged, **best}, f, indent=1)
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

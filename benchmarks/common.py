@@ -1,11 +1,10 @@
 """Shared benchmark plumbing: the physical limits measured in the same run, and result files.
 
 Every benchmark prints its figure beside the limit it is bounded by, and writes JSON + markdown into
-`results/<date>-<name>/` (or `$OUT/<name>/` on the GPU machine)."""
+`results/<name>/` (or `$OUT/<name>/` on the GPU machine); git tracks only `results/suite/`, the latest suite."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import platform
@@ -15,10 +14,14 @@ import time
 
 import torch
 
+# the stores and state a GPU machine keeps between calls (device.sh's $WORK)
+BENCH_DIR = os.environ.get("MOESTREAM_BENCH_DIR", "/tmp/moestream-bench")
+
 
 def out_dir(name: str) -> str:
-    root = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "results")
-    path = os.path.join(root, f"{datetime.date.today().isoformat()}-{name}")
+    """`$OUT/<name>` on the GPU machine, else the checkout's `results/<name>` (a rerun replaces the last)."""
+    root = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
+    path = os.path.normpath(os.path.join(root, name))
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -7,9 +7,10 @@ in one run. Each stage fits one 10-minute call on the GPU machine:
   python -m benchmarks.suite peers      # transformers on GPU; transformers + accelerate with offloaded experts
   python -m benchmarks.suite report     # table + plots from what the stages wrote
 
-Stages append to `suite.json` in the results folder ($OUT on the GPU machine); `report` reads it back.
-On the GPU machine each call's $OUT starts empty: pass the previous call's file with `--state`, and make
-the calls back to back (a machine idle for 30 s is given back, with the stores in its /tmp).
+Stages append to `suite.json` in the results folder (`results/suite/`, or `$OUT/suite/` on the GPU machine);
+`report` reads it back. Stores live under `--work` (default `$MOESTREAM_BENCH_DIR` or /tmp/moestream-bench), as
+device.sh's do. On the GPU machine each call's $OUT starts empty: pass the previous call's file with `--state`, and
+make the calls back to back (a machine idle for a while is given back, with the stores on its disk).
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 
 import torch
 
-from benchmarks.common import limits, machine, out_dir
+from benchmarks.common import BENCH_DIR, limits, machine, out_dir
+from moestream.errors import MoestreamError
 from moestream.experts.format import RecordLayout, precision_name
 from moestream.experts.store import open_store
 from moestream.sampling import SamplingParams
 from moestream.stats.counters import TIERS
 
-STORES = {"qwen3-30b": "/tmp/suite-qwen3-30b", "qwen3.8-flash-next": "/tmp/suite-qwen4"}
+MODELS = ("qwen3-30b", "qwen3.8-flash-next")  # each store is <work>/<model>
 POOLS = (1.0, 0.5, 0.25)
 
 
@@ -48,14 +51,16 @@ def stage_stores(args) -> None:
     def existing(path: str):
         return open_store(path).manifest if os.path.isfile(os.path.join(path, "manifest.json")) else None
 
-    m = existing(STORES["qwen3-30b"]) or build(STORES["qwen3-30b"], "qwen3-30b", skew=args.skew)
+    stores = args.stores
+    m = existing(stores["qwen3-30b"]) or build(stores["qwen3-30b"], "qwen3-30b", skew=args.skew)
     g = m.geometry
     # the 30B store's q3 and q2 variants are derived later (the low-bit rows): leave them room
     low_bit = sum(RecordLayout.build(p, g.hidden_size, g.intermediate_size).stride for p in ("q3", "q2"))
-    free = os.statvfs("/tmp").f_bavail * os.statvfs("/tmp").f_frsize - g.num_records * low_bit - 8e9
+    disk = os.statvfs(args.work)
+    free = disk.f_bavail * disk.f_frsize - g.num_records * low_bit - 8e9
     per_layer = 512 * RecordLayout.build("q4", 2560, 640).stride  # qwen3.8-flash-next records per layer
     layers = max(4, min(48, int(free // per_layer) // 4 * 4))
-    nxt = existing(STORES["qwen3.8-flash-next"]) or build(STORES["qwen3.8-flash-next"], "qwen3.8-flash-next",
+    nxt = existing(stores["qwen3.8-flash-next"]) or build(stores["qwen3.8-flash-next"], "qwen3.8-flash-next",
                                                          layers=layers, skew=args.skew)
     print(f"stores ready: qwen3-30b ({g.num_layers} layers), qwen3.8-flash-next ({nxt.geometry.num_layers} layers)")
 
@@ -130,7 +135,7 @@ def stage_moestream(args) -> list[dict]:
     from moestream.engine.llm import LLM
 
     runs = []
-    for name, path in STORES.items():
+    for name, path in args.stores.items():
         if not os.path.isfile(os.path.join(path, "manifest.json")):
             continue
         store = open_store(path)
@@ -173,13 +178,15 @@ def stage_peers(args) -> list[dict]:
     store."""
     from benchmarks.peers import run_peers
 
-    stores = {name: path for name, path in STORES.items() if os.path.isfile(os.path.join(path, "manifest.json"))}
+    stores = {name: path for name, path in args.stores.items() if os.path.isfile(os.path.join(path, "manifest.json"))}
     return run_peers(stores, offload_tokens=args.offload_tokens, on_rows=args.save)
 
 
 def stage_report(args) -> None:
     from benchmarks.report import write_report
 
+    if not os.path.isfile(os.path.join(args.out, "suite.json")):
+        raise MoestreamError(f"no suite.json in {args.out}: run the suite's stages first, or pass --out with one")
     write_report(args.out)
 
 
@@ -190,23 +197,25 @@ def main() -> None:
     p.add_argument("--offload-tokens", type=int, default=3)
     p.add_argument("--modes", choices=["all", "q4", "low-bit"], default="all",
                    help="moestream stage: which engine modes (deriving the low-bit stores takes minutes, once)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="the results folder (default: results/suite, or $OUT/suite)")
+    p.add_argument("--work", default=BENCH_DIR, help="where the stores are built and read (default: %(default)s)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--state", help="a suite.json from an earlier call to continue (each call's $OUT starts empty)")
     p.add_argument("--store", action="append", default=[], help="NAME=PATH: benchmark this store instead")
     args = p.parse_args()
     args.out = args.out or out_dir("suite")
+    args.stores = dict(spec.split("=", 1) for spec in args.store) or {m: os.path.join(args.work, m) for m in MODELS}
+    if args.stage == "report":  # reads what the stages wrote; needs no GPU and no stores
+        stage_report(args)
+        return
+    os.makedirs(args.work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
-    for spec in args.store:
-        name, path = spec.split("=", 1)
-        STORES.clear() if spec == args.store[0] else None
-        STORES[name] = path
     state = _state(os.path.dirname(args.state) if args.state else args.out)
     start = time.time()
     if args.stage == "stores":
         stage_stores(args)
     elif args.stage == "limits":
-        store = STORES["qwen3-30b"]
+        store = args.stores.get("qwen3-30b", "")
         records = None
         if os.path.isfile(os.path.join(store, "manifest.json")):
             s = open_store(store)
@@ -230,13 +239,14 @@ def main() -> None:
 
         args.save = save
         save(stage_moestream(args) if args.stage == "moestream" else stage_peers(args))
-    else:
-        stage_report(args)
     # keyed by what the call ran, so that each call's time is kept for planning the next lease
-    key = args.stage + (f" {args.modes} {','.join(STORES)}" if args.stage == "moestream" else "")
+    key = args.stage + (f" {args.modes} {','.join(args.stores)}" if args.stage == "moestream" else "")
     state.setdefault("stage_seconds", {})[key] = time.time() - start
     _save(args.out, state)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MoestreamError as e:
+        sys.exit(f"error: {e}")

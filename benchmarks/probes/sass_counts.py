@@ -1,9 +1,9 @@
 """The expert kernels compiled for sm_90 without a GPU: registers, spills, and the SASS instructions of the hot
-loop (up to the last backward branch; the whole kernel if none), by opcode. Device time is scarce: most leads in
-NOTES.md came from these counts.
+loop (up to the last backward branch; the whole kernel if none), by opcode. Device time is scarce: most kernel leads in
+docs/performance.md came from these counts.
 
-python -m benchmarks.sass_counts KERNEL [NAME=VALUE ...]   (needs triton; kernels and defaults in KERNELS)
-python -m benchmarks.sass_counts prefill-gate-up UNPACK=1 JOIN=0 BN=64 --warps 8 --stages 3
+python -m benchmarks.probes.sass_counts KERNEL [NAME=VALUE ...]   (needs triton; kernels and defaults in KERNELS)
+python -m benchmarks.probes.sass_counts prefill-gate-up JOIN=0 BN=64 --warps 8 --stages 3
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import tempfile
 GEOMETRY = dict(H=2048, I=768, GROUP=64, BITS=4)
 KERNELS = {
     "prefill-gate-up": ("expert_mlp", "gate_up_kernel",
-                        dict(TOP_K=8, BM=256, BN=128, BK=64, UNPACK=2, SWAP=1, JOIN=1, AHEAD=0, SPARSE=0)),
+                        dict(TOP_K=8, BM=256, BN=128, BK=64, SWAP=1, JOIN=1)),
     "prefill-down": ("expert_mlp", "down_kernel",
-                     dict(BM=256, BN=128, BK=64, UNPACK=2, SWAP=1, AHEAD=0, SPARSE=0)),
+                     dict(BM=256, BN=128, BK=64, SWAP=1)),
     "decode-gate-up": ("expert_gemv", "gate_up_gemv_kernel",
-                       dict(TOP_K=8, BN=8, BK=2048, SPAN=2048, AHEAD=0, PDL=0, INDIRECT=1, WAIT=0, SELECT=0, TAIL1=0,
-                            TAIL2=0)),
+                       dict(TOP_K=8, BN=8, BK=2048, SPAN=2048, AHEAD=0, PDL=1, INDIRECT=1, SELECT=0, TAIL1=0, TAIL2=0)),
     "decode-down": ("expert_gemv", "down_gemv_kernel",
-                    dict(BN=16, BK=1024, SPAN=0, AHEAD=0, PDL=0, INDIRECT=1, SELECT=0, TAIL1=512, TAIL2=256)),
+                    dict(BN=16, BK=1024, SPAN=0, AHEAD=0, PDL=1, INDIRECT=1, SELECT=0, TAIL1=512, TAIL2=256)),
 }
 POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16"}  # the rest: *i64 tables
 
@@ -75,7 +74,7 @@ def loop_counts(sass: str) -> tuple[str, collections.Counter]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("kernel", choices=sorted(KERNELS))
-    p.add_argument("constants", nargs="*", help="NAME=VALUE constexprs over the defaults (BITS=3, UNPACK=2, ...)")
+    p.add_argument("constants", nargs="*", help="NAME=VALUE constexprs over the defaults (BITS=3, JOIN=0, ...)")
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--dump", help="write the whole SASS here")

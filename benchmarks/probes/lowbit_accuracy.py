@@ -1,7 +1,7 @@
 """What low-bit experts cost in accuracy: per mode, the mean relative logit error against the Q4 model and
 the greedy agreement rate over a fixed set of prompts (token by token, teacher-forced on Q4's tokens).
 
-python -m benchmarks.bench_lowbit_accuracy STORE [--prompts 16] [--tokens 32]
+python -m benchmarks.probes.lowbit_accuracy STORE [--prompts 16] [--tokens 32]
 (STORE needs q4; q3/q2 are derived on first use.)
 """
 

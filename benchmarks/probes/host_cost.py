@@ -1,10 +1,10 @@
 """The host's work in one prefill layer's expert path, timed on the CPU (no GPU, no kernels): the grouping, the
 provider's decisions (ring path) and the tile tables. On the H200 the GPU waits for this after the routing's
-counts reach the host (NOTES, session 18: 1.45 ms a layer of idle GPU at 4096 tokens, every expert resident).
+counts reach the host (docs/performance.md: 1.45 ms a layer of idle GPU at 4096 tokens, every expert resident).
 With `--pool` below 1 the ring streams the rest from a host tier holding every record, copies skipped
 (`fake_reads`): the decisions and fetch bookkeeping, without the copies' own enqueue cost.
 
-python -m benchmarks.host_cost [--store DIR] [--rows 4096] [--pool 0.25]   (builds a 2-layer 30B store if none)
+python -m benchmarks.probes.host_cost [--store DIR] [--rows 4096] [--pool 0.25]   (builds a 2-layer 30B store if none)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import timeit
 
 import torch
 
+from benchmarks.common import BENCH_DIR
 from moestream.config import ExpertConfig
 from moestream.experts.grouping import group_by_expert
 from moestream.experts.provider import StreamingProvider
@@ -30,7 +31,7 @@ def _us(fn, calls: int = 200) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--store", default="/tmp/host-cost-store")
+    p.add_argument("--store", default=os.path.join(BENCH_DIR, "host-cost-store"))
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--pool", type=float, default=1.0, help="the pool's share of the records")
     args = p.parse_args()

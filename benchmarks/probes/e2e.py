@@ -1,7 +1,8 @@
 """End to end on a real-geometry synthetic store: decode tok/s (graph vs eager), prefill tok/s and the
-prefill copy/compute overlap per layer with a pool below the model.
+prefill copy/compute overlap per layer with a pool below the model; with --trace, each prefill's timeline and
+what it says about overlap (copies busy, kernels busy, both at once, GPU idle).
 
-python -m benchmarks.bench_e2e STORE [--decode] [--prefill] [--pool-frac 0.25]
+python -m benchmarks.probes.e2e STORE [--decode] [--prefill] [--fracs 0.25,1.0] [--trace]
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import json
 import os
 import random
 import time
@@ -16,7 +18,6 @@ import time
 import torch
 
 from benchmarks.common import out_dir, write
-from benchmarks.trace_summary import summarize
 from moestream.config import ExpertConfig
 from moestream.engine.llm import LLM
 from moestream.experts.store import open_store
@@ -81,24 +82,66 @@ def _traced(path: str | None):
     os.remove(path)
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, hi - lo)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(path: str) -> dict:
+    """Seconds, from a gzipped Chrome trace: `copy` (host-to-device copies busy), `compute` (kernels busy),
+    `both` (at once), `wall` (first GPU event to last), `idle` (neither)."""
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy" and "dur" in e]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e]
+    copy, compute = _union(copies), _union(kernels)
+    busy = _union(copy + compute)
+    if not busy:
+        return {}
+    wall, us = busy[-1][1] - busy[0][0], 1e-6
+    return {"copy_s": _length(copy) * us, "compute_s": _length(compute) * us,
+            "both_s": _intersection(copy, compute) * us, "wall_s": wall * us, "idle_s": (wall - _length(busy)) * us}
+
+
 def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0,
                  warm: bool = False, trace: str | None = None, ring_group: int = ExpertConfig.ring_group,
-                 ring_lookahead: bool = ExpertConfig.ring_lookahead, in_place: bool = False) -> list[dict]:
+                 ring_lookahead: bool = ExpertConfig.ring_lookahead) -> list[dict]:
     """With `warm`, each prompt runs once first so the host tier holds what the measured run misses; with
-    `trace` (a folder), the measured run's timeline is saved there; `in_place`: ExpertConfig.prefill_in_place."""
+    `trace` (a folder), the measured run's timeline is saved there and summarized in the row."""
     s = open_store(store)
     total_gb = s.manifest.geometry.num_records * s.manifest.layouts["q4"].stride / 1e9
     rows = []
     for frac in fracs:
         llm = LLM(store, device="cuda", pool_gb=total_gb * frac, host_gb=host_gb, profile=True, preload=False,
-                  ring_group=ring_group, ring_lookahead=ring_lookahead, prefill_in_place=in_place)
+                  ring_group=ring_group, ring_lookahead=ring_lookahead)
         for n in lengths:
             ids = prompt(n, llm.config.vocab_size, seed=n)
             if warm:
                 llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
             start = time.perf_counter()
             name = f"prefill-{frac:g}-{n}-g{ring_group}{'-early' if ring_lookahead else ''}"
-            trace_path = trace and os.path.join(trace, f"{name}{'-in-place' if in_place else ''}.json")
+            trace_path = trace and os.path.join(trace, f"{name}.json")
             with _traced(trace_path):
                 out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
             wall = time.perf_counter() - start
@@ -110,7 +153,7 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
             host = sum(t["host_s"] for t in timings)
             reads = {tier: e["reads"][tier]["bytes"] / 1e9 for tier in ("disk", "host")}
             # the engine's prefill time (what the suite reports), and generate()'s wall around it
-            rows.append({"pool_frac": frac, "host_gb": host_gb, "ring_group": ring_group, "in_place": in_place,
+            rows.append({"pool_frac": frac, "host_gb": host_gb, "ring_group": ring_group,
                          "ring_lookahead": ring_lookahead, "prompt": n,
                          "prefill_tok_s": out.stats["timings"]["prefill_tok_s"], "generate_seconds": wall,
                          "disk_gb": reads["disk"], "host_read_gb": reads["host"],
@@ -139,8 +182,6 @@ def main() -> None:
                    help="prefill: experts per ring batch, one run each (e.g. 8,16)")
     p.add_argument("--ring-lookahead", default="on" if ExpertConfig.ring_lookahead else "off",
                    help="prefill: the next layer's ring fetched early: off, on, or off,on (one run each)")
-    p.add_argument("--in-place", default="off", help="prefill: tiles built on the GPU when the whole model is in "
-                   "the pool (ExpertConfig.prefill_in_place): off, on, or off,on (one run each)")
     args = p.parse_args()
     data, table = {}, []
     if args.decode:
@@ -149,13 +190,11 @@ def main() -> None:
                   for r in data["decode"]]
     if args.prefill:
         data["prefill"] = [r for early in args.ring_lookahead.split(",") for group in args.ring_groups.split(",")
-                           for place in args.in_place.split(",")
                            for r in prefill_runs(args.store, [float(f) for f in args.fracs.split(",")],
                                                  [int(n) for n in args.lengths.split(",")], args.host_gb, args.warm,
-                                                 out_dir("e2e") if args.trace else None, int(group), early == "on",
-                                                 place == "on")]
+                                                 out_dir("e2e") if args.trace else None, int(group), early == "on")]
         table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens, group {r['ring_group']}"
-                   f"{', early ring' if r['ring_lookahead'] else ''}{', in place' if r['in_place'] else ''}",
+                   f"{', early ring' if r['ring_lookahead'] else ''}",
                    f"{r['prefill_tok_s']:.0f} tok/s",
                    f"copy {r['copy_s']:.2f} s, compute {r['compute_s']:.2f} s, wall {r['expert_wall_s']:.2f} s, "
                    f"host {r['host_s']:.2f} s",
