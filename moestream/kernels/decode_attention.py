@@ -7,8 +7,6 @@ import math
 import torch
 import triton
 
-from moestream.kernels.launch import dependent, options
-
 BLOCK_N = 64  # positions per inner step of the split kernel
 BLOCK_SPLIT = 256  # positions per split, before rounding (the split count is capped at MAX_SPLITS)
 MAX_SPLITS = 64
@@ -34,16 +32,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and position.dtype == torch.int64
     g = hq // hkv
     count, length = splits(c)
-    q, pdl = q.contiguous(), dependent(q)
+    q = q.contiguous()
     acc = torch.empty(hq, count, d, dtype=torch.float32, device=q.device)
     m = torch.empty(hq, count, dtype=torch.float32, device=q.device)
     l = torch.empty(hq, count, dtype=torch.float32, device=q.device)
     kernels.decode_attention_split_kernel[(hkv, count)](
         q, k_cache, v_cache, position, acc, m, l, scale * math.log2(math.e), c, HKV=hkv, G=g, D=d,
-        GP=max(16, triton.next_power_of_2(g)), BLOCK_N=BLOCK_N, SPLIT_LEN=length, SPLITS=count, PDL=pdl,
-        num_warps=4 if d <= 128 else 8, **options(pdl))
+        GP=max(16, triton.next_power_of_2(g)), BLOCK_N=BLOCK_N, SPLIT_LEN=length, SPLITS=count,
+        num_warps=4 if d <= 128 else 8)
     out = torch.empty(1, hq, d, dtype=q.dtype, device=q.device)
     kernels.decode_attention_combine_kernel[(hq,)](acc, m, l, out, D=d, SPLITS=count,
-                                                   SPLITS_P=triton.next_power_of_2(count), PDL=pdl, num_warps=1,
-                                                   **options(pdl))
+                                                   SPLITS_P=triton.next_power_of_2(count), num_warps=1)
     return out

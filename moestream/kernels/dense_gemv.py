@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from moestream.kernels.launch import dependent, options
-
 BK = 512  # K chunk: four 16-byte loads a thread at 4 warps and BN 8
 MIN_PROGRAMS = 1024  # enough blocks that every SM keeps several in flight
 
@@ -19,8 +17,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     bn = 8
     while bn > 1 and n // bn < MIN_PROGRAMS:  # small N: fewer rows a block, so that the blocks fill the GPU
         bn //= 2
-    y, pdl = torch.empty(1, n, dtype=x.dtype, device=x.device), dependent(x)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     dense_gemv_kernel[(-(-n // bn),)](x.contiguous(), weight, weight if bias is None else bias, y, n, K=k, BN=bn,
-                                     BK=min(BK, 1 << (k - 1).bit_length()), HAS_BIAS=bias is not None, PDL=pdl,
-                                     num_warps=4, **options(pdl))
+                                     BK=min(BK, 1 << (k - 1).bit_length()), HAS_BIAS=bias is not None,
+                                     num_warps=4)
     return y

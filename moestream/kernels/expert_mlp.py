@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from moestream.experts.format import RecordLayout
-from moestream.kernels import expert_mma
 from moestream.kernels.launch import dependent, options
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "expert_mlp.json")
@@ -33,17 +32,12 @@ class TileConfig:
     bk_down: int
     num_warps: int = 4
     num_stages: int = 3
-    unpack: int = 0  # prefill: codes split per code (0), per word by a reshape (1), per word in-thread (2)
     warps_down: int = 0  # decode: the down kernel's own warps and stages (0: the same as gate/up's)
     stages_down: int = 0
     swap: int = 0  # prefill: 1 = weights as the MMA's first operand (tiles of BN weight rows x BM entries)
     masked_tail: int = 0  # decode: 1 = the columns past the whole BK chunks as one more chunk, masked, not in parts
     join: int = 0  # prefill: 1 = gate/up tiles of bn_gate_up / 2 gate rows and the same up rows, one MMA a step
-    affine_ahead: int = 0  # prefill: 1 = scales and biases a K step ahead (down and joined gate/up tiles)
     tail_bm: int = 0  # prefill: an expert's last tile of at most tail_bm entries goes in a launch of that height
-    mma: int = 0  # decode: 1 = Q4 on tensor cores (expert_mma.py; num_warps, warps_down and num_stages its tiles)
-    fused: int = 0  # decode: 1 = gate/up and down tiles in one launch (triton/expert_fused.py; num_warps for both)
-    trigger: int = 0  # decode mma: the down kernel launches once gate/up has this many copy stages in (0: at once)
 
     @property
     def down(self) -> tuple[int, int]:
@@ -51,7 +45,7 @@ class TileConfig:
         return self.warps_down or self.num_warps, self.stages_down or self.num_stages
 
 
-DEFAULTS = {"decode": TileConfig(1, 32, 128, 32, 128, 4, 1), "prefill": TileConfig(128, 64, 64, 128, 128, 8, 4, 1)}
+DEFAULTS = {"decode": TileConfig(1, 32, 128, 32, 128, 4, 1), "prefill": TileConfig(128, 64, 64, 128, 128, 8, 4)}
 
 
 @functools.cache
@@ -104,9 +98,6 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
 
     cfg = cfg or tile_config("decode", layout)
     hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
-    if cfg.mma and record_bits is None and expert_mma.supported(layout, cfg.num_warps, cfg.down[0]):
-        return expert_mma.launch_decode_mma(x, out, entries, addr, layout, top_k, o, cfg.num_warps, cfg.down[0],
-                                            records, cfg.num_stages, trigger=cfg.trigger)
     # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's codes are placed as Q4 nibbles
     placed = 4 if layout.bits == 3 else layout.bits
     field_mask = 0 if layout.bits == 16 else ((1 << placed) - 1) << (23 - placed)
@@ -118,39 +109,17 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     record_bits = record_bits if select else entries  # unread unless select
     # decode "stages": S = S - 1 chunks' loads in flight (up to 3) while one computes
     (warps_down, stages_down), ahead = cfg.down, min(cfg.num_stages - 1, 3)
-    if cfg.fused and n <= COUNTED_ENTRIES:
-        from moestream.kernels.triton.expert_fused import fused_decode_kernel
-
-        pdl = dependent(x, "down")
-        up = _chunks(hidden, cfg.bk_gate_up, cfg.masked_tail)
-        down = _chunks(inter, cfg.bk_down, cfg.masked_tail)
-        fused_decode_kernel[(n * (inter // cfg.bn_gate_up + hidden // cfg.bn_down),)](
-            x, h, out, entries, addr, records, record_bits, _arrival_counts(x.device), n, *o.values(), field_mask,
-            H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group, BN_UP=cfg.bn_gate_up, AHEAD_UP=ahead,
-            **{f"{k}_UP": v for k, v in up.items()}, BN_DOWN=cfg.bn_down, AHEAD_DOWN=min(stages_down - 1, 3),
-            **{f"{k}_DOWN": v for k, v in down.items()}, PDL=pdl, INDIRECT=indirect, SELECT=select,
-            num_warps=cfg.num_warps, num_stages=1, **options(pdl))
-        return
-    pdl, wait = dependent(x, "down"), dependent(x)  # the down GEMV starts while gate/up runs
+    pdl = dependent(x)  # the down GEMV starts while gate/up runs
     gate_up_gemv_kernel[(n, inter // cfg.bn_gate_up)](
         x, h, entries, addr, records, record_bits, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"],
         o["up_h"], o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group,
-        BN=cfg.bn_gate_up, AHEAD=ahead, PDL=pdl, INDIRECT=indirect, WAIT=wait, SELECT=select,
-        **_chunks(hidden, cfg.bk_gate_up, cfg.masked_tail), num_warps=cfg.num_warps, num_stages=1, **options(wait))
+        BN=cfg.bn_gate_up, AHEAD=ahead, PDL=pdl, INDIRECT=indirect, SELECT=select,
+        **_chunks(hidden, cfg.bk_gate_up, cfg.masked_tail), num_warps=cfg.num_warps, num_stages=1)
     down_gemv_kernel[(n, hidden // cfg.bn_down)](
         h, out, entries, addr, records, record_bits, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask,
         H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, AHEAD=min(stages_down - 1, 3), PDL=pdl,
         INDIRECT=indirect, SELECT=select, **_chunks(inter, cfg.bk_down, cfg.masked_tail), num_warps=warps_down,
         num_stages=1, **options(pdl))
-
-
-COUNTED_ENTRIES = 4096  # the most routing entries a fused decode launch takes (past that: two launches)
-
-
-@functools.cache  # one buffer a device for good: captured graphs hold its address
-def _arrival_counts(device: torch.device) -> torch.Tensor:
-    """The fused decode kernel's two int32 counters an entry, zeroed: its launches leave them zeroed."""
-    return torch.zeros(2 * COUNTED_ENTRIES, dtype=torch.int32, device=device)
 
 
 @functools.cache
@@ -173,10 +142,9 @@ def _chunks(k: int, bk: int, masked_tail: int) -> dict:
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
                    tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, top_k: int,
-                   h: torch.Tensor | None = None, cfg: TileConfig | None = None, sparse: bool = False) -> None:
+                   h: torch.Tensor | None = None, cfg: TileConfig | None = None) -> None:
     """Tile i: up to `bm` entries entries[tile_start[i]:][:tile_count[i]] of the expert at tile_addr[i], as
-    tensor-core GEMMs over dequantized weight tiles. x [T, H]; out [T * top_k, H]. `sparse`: tiles of no entries
-    may follow the last (their programs exit)."""
+    tensor-core GEMMs over dequantized weight tiles. x [T, H]; out [T * top_k, H]."""
     from moestream.kernels.triton.expert_mlp import down_kernel, gate_up_kernel
 
     cfg = cfg or tile_config("prefill", layout)
@@ -188,48 +156,12 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
     gate_up_kernel[(tiles, inter * (1 + join) // cfg.bn_gate_up)](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
         o["up_w"], o["up_h"], o["up_s"], o["up_b"], code_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits,
-        GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, UNPACK=cfg.unpack, SWAP=cfg.swap, JOIN=join,
-        AHEAD=cfg.affine_ahead, SPARSE=sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, SWAP=cfg.swap, JOIN=join, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
         code_mask, H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down,
-        UNPACK=cfg.unpack, SWAP=cfg.swap, AHEAD=cfg.affine_ahead, SPARSE=sparse, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-
-
-def grouped_in_place(x: torch.Tensor, addresses: torch.Tensor, ids: torch.Tensor, layout: RecordLayout,
-                     top_k: int, out: torch.Tensor, cfg: TileConfig | None = None) -> torch.Tensor:
-    """Prefill with every expert of the layer in place at `addresses` (its device table by expert id): the
-    grouping and the tile tables are built on the device, so the host never waits for the routing. The tiles are
-    `grouped`'s (the same bits). ids [T, top_k]; returns the entries per expert (on the device)."""
-    cfg = cfg or tile_config("prefill", layout)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=addresses.shape[0])
-    for tiles_cfg, (addr, start, count) in device_tiles(counts, addresses, flat.shape[0], cfg):
-        launch_prefill(x, out, order, addr, start, count, layout, top_k, cfg=tiles_cfg, sparse=True)
-    return counts
-
-
-def device_tiles(counts: torch.Tensor, addresses: torch.Tensor, entries: int, cfg: TileConfig) -> list:
-    """`prefill_tiles` for experts in id order, from their device counts: [(config, (addr, start, count))], each
-    table as long as the most tiles `entries` can make (entries // bm, plus a partial tile an expert), with
-    empty tiles after the last."""
-    bm, tail_bm, experts = cfg.bm, cfg.tail_bm, counts.shape[0]
-    offsets, full, rest = torch.cumsum(counts, 0) - counts, counts // bm, counts % bm
-    whole = rest > tail_bm  # a last tile at full height: every partial one without tails
-    parts = [(cfg, full + whole, torch.zeros_like(full), entries // bm + experts)]
-    if tail_bm:
-        parts.append((_tails_of(cfg), ((rest > 0) & ~whole).long(), full, experts))
-    out = []
-    for tiles_cfg, per_expert, skip, room in parts:
-        ends = torch.cumsum(per_expert, 0)
-        index = torch.arange(room, device=counts.device)
-        expert = torch.searchsorted(ends, index, right=True).clamp_(max=experts - 1)
-        first = (skip[expert] + index - (ends[expert] - per_expert[expert])) * bm
-        count = (counts[expert] - first).clamp_(0, tiles_cfg.bm) * (index < ends[-1])
-        out.append((tiles_cfg, (addresses[expert], offsets[expert] + first, count)))
-    return out
+        SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _code_mask(bits: int) -> int:

@@ -1,15 +1,10 @@
-"""Programmatic dependent launch (Hopper on): a kernel launched as a dependent may start while the kernel before
-it in the stream still runs, and waits (griddepcontrol.wait) before it touches that kernel's outputs, so the
-launch latency between a decode step's small kernels overlaps the kernel before.
-
-`MOESTREAM_PDL`: "down" (the default: the expert down GEMV alone, measured on the H200), "all" (every Triton
-kernel of the decode path: 14% faster graphed decode alone on the H200, but slower beside the Triton dense
-GEMV), or "off"."""
+"""Programmatic dependent launch (Hopper on): the expert down GEMV launches as a dependent of gate/up, so it
+starts while gate/up still runs, loads its first weights, and waits (griddepcontrol.wait) before it reads h.
+Launching every decode kernel this way measured slower beside the Triton dense GEMV (docs/performance.md)."""
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -19,11 +14,9 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def dependent(x: torch.Tensor, scope: str = "all") -> bool:
-    """Whether a kernel reading `x` launches as a dependent: `scope` "down" for the expert down GEMV, "all" for
-    the others."""
-    mode = os.environ.get("MOESTREAM_PDL", "down")
-    return x.is_cuda and mode != "off" and (mode == "all" or scope == "down") and _hopper(x.device)
+def dependent(x: torch.Tensor) -> bool:
+    """Whether a kernel reading `x` can launch as a dependent of the kernel before it."""
+    return x.is_cuda and _hopper(x.device)
 
 
 def options(pdl: bool) -> dict:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from moestream.kernels.launch import dependent, options
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     return _rms_norm(x, None, weight, eps, zero_centered)[1]
@@ -27,11 +25,9 @@ def _rms_norm(x, residual, weight, eps, zero_centered) -> tuple[torch.Tensor, to
     out = torch.empty(x.shape, dtype=x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)
     total = x if residual is None else torch.empty_like(x)
-    pdl = dependent(x)
     rms_norm_kernel[(x.numel() // d,)](x, x if residual is None else residual, total, weight, out, eps, D=d,
                                       BLOCK=triton.next_power_of_2(d), ZERO_CENTERED=zero_centered,
-                                      ADD=residual is not None, PDL=pdl, num_warps=4 if d >= 1024 else 1,
-                                      **options(pdl))
+                                      ADD=residual is not None, num_warps=4 if d >= 1024 else 1)
     return total, out
 
 
@@ -44,12 +40,12 @@ def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: i
 
     q_width = qkv.shape[-1] - 2 * kv_heads * head_dim
     q = torch.empty(1, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    qkv, pdl = qkv.contiguous(), dependent(qkv)
+    qkv = qkv.contiguous()
     qk_norm_rope_cache_kernel[(heads + 2 * kv_heads,)](
         qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos.contiguous(),
         sin.contiguous(), q, k_cache, v_cache, position, eps, HEADS=heads, KV_HEADS=kv_heads, D=head_dim,
         Q_STRIDE=q_width // heads, ROT=cos.shape[-1], BLOCK=triton.next_power_of_2(head_dim),
-        QK_NORM=q_norm is not None, ZERO_CENTERED=zero_centered, PDL=pdl, num_warps=1, **options(pdl))
+        QK_NORM=q_norm is not None, ZERO_CENTERED=zero_centered, num_warps=1)
     return q
 
 
@@ -74,8 +70,7 @@ def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype,
     t, experts = logits.shape
     weights = torch.empty(t, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device) if ids_out is None else ids_out.view(t, top_k)
-    pdl = dependent(logits)
     route_kernel[(t,)](logits.contiguous(), weights, ids, E=experts, BLOCK=triton.next_power_of_2(experts),
-                       TOP_K=top_k, K_BLOCK=triton.next_power_of_2(top_k), NORMALISE=normalise, PDL=pdl,
-                       num_warps=4 if experts >= 256 else 1, **options(pdl))
+                       TOP_K=top_k, K_BLOCK=triton.next_power_of_2(top_k), NORMALISE=normalise,
+                       num_warps=4 if experts >= 256 else 1)
     return weights, ids

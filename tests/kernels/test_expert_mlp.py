@@ -202,16 +202,13 @@ def _prefill_two_experts(precision: str, hidden: int, inter: int, rows: int, cfg
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
-@pytest.mark.parametrize("precision,unpack,swap", [("q4", 1, 0), ("q3", 0, 0), ("q3", 1, 0), ("q2", 1, 0), ("q4", 0, 1),
-                                                   ("q4", 1, 1), ("q3", 1, 1), ("q2", 1, 1), ("bf16", 0, 1),
-                                                   ("q4", 2, 1), ("q4", 2, 0), ("q3", 2, 1), ("q2", 2, 1)])
-def test_prefill_with_tiles_of_256_rows(precision, unpack, swap):
-    """BM 256 tiles (a whole expert's rows at 4096 tokens): one tile may hold every entry of an expert; each
-    precision's codes unpacked per code (0), per word (1) or per word in-thread (2); weights as the MMA's first
-    operand (swap) or second."""
+@pytest.mark.parametrize("precision,swap", [("q4", 0), ("q3", 0), ("q4", 1), ("q3", 1), ("q2", 1), ("bf16", 1)])
+def test_prefill_with_tiles_of_256_rows(precision, swap):
+    """BM 256 tiles (a whole expert's rows at 4096 tokens): one tile may hold every entry of an expert; weights
+    as the MMA's first operand (swap) or second."""
     from moestream.kernels.expert_mlp import TileConfig
 
-    _prefill_two_experts(precision, 128, 64, 150, TileConfig(256, 64, 64, 64, 64, 8, 2, unpack, swap=swap), 4)
+    _prefill_two_experts(precision, 128, 64, 150, TileConfig(256, 64, 64, 64, 64, 8, 2, swap=swap), 4)
 
 
 def _routed(rows: int, top_k: int, num_experts: int, gen: torch.Generator) -> tuple[torch.Tensor, list]:
@@ -252,7 +249,7 @@ def test_decode_chunks_past_k(precision, stages, bk):
     from moestream.kernels.expert_mlp import TileConfig
 
     up_stages, *down = stages if isinstance(stages, tuple) else (stages, 0, 0)
-    _decode_two_experts(precision, TileConfig(1, 16, bk, 32, 256, 2, up_stages, 0, *down), 5)
+    _decode_two_experts(precision, TileConfig(1, 16, bk, 32, 256, 2, up_stages, *down), 5)
 
 
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2", "bf16"])
@@ -305,7 +302,7 @@ def test_prefill_tails_in_a_launch_of_their_own(precision):
     slots = list(range(len(spans)))
     want = torch.empty(rows * top_k, 128, dtype=DTYPE, device=DEVICE)
     reference.expert_group(x, buf, slots, layout, spans, order, top_k, want)
-    cfg = TileConfig(32, 64, 64, 64, 64, 4, 2, 2, swap=1)
+    cfg = TileConfig(32, 64, 64, 64, 64, 4, 2, swap=1)
     assert len(expert_mlp.prefill_tiles(spans, [0] * len(spans), dataclasses.replace(cfg, tail_bm=16))) == 2
     got = [torch.full_like(want, float("nan")) for _ in range(2)]
     for out, tail_bm in zip(got, (0, 16)):
@@ -318,52 +315,20 @@ def test_prefill_tails_in_a_launch_of_their_own(precision):
     assert (got[1].float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
-@pytest.mark.parametrize("precision", ["q4", "bf16"])
-@pytest.mark.parametrize("tail_bm", [0, 16])
-def test_prefill_tables_built_in_place(precision, tail_bm):
-    """grouped_in_place (the grouping and tile tables built on the device from the routing, for experts in place
-    at a table of addresses) gives what the host's grouping gives, bit for bit: the same tiles; an expert no
-    row chose, and tiles past the last, compute nothing."""
-    from moestream.kernels import expert_mlp
-    from moestream.kernels.expert_mlp import TileConfig
-
-    gen = torch.Generator().manual_seed(13)
-    layout = RecordLayout.build(precision, 128, 64)
-    rows, top_k, num_experts = 100, 2, 7  # expert 6 gets no rows
-    ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(rows)]).to(DEVICE)
-    x = torch.randn(rows, 128, generator=gen).to(DEVICE, DTYPE)
-    buf = make_buffer(layout, num_experts, gen)
-    addresses = torch.tensor([buf[e].data_ptr() for e in range(num_experts)], device=DEVICE)
-    cfg = TileConfig(32, 64, 64, 64, 64, 4, 2, 2, swap=1, tail_bm=tail_bm)
-    got = torch.full((rows * top_k, 128), float("nan"), dtype=DTYPE, device=DEVICE)
-    counts = expert_mlp.grouped_in_place(x, addresses, ids, layout, top_k, got, cfg=cfg)
-    order = torch.argsort(ids.reshape(-1), stable=True)
-    ends = torch.cumsum(counts, 0).tolist()
-    spans = [(end - c, end) for end, c in zip(ends, counts.tolist()) if c]
-    used = [e for e, c in enumerate(counts.tolist()) if c]
-    assert used == list(range(6))
-    want = torch.full_like(got, float("nan"))
-    expert_mlp.grouped(x, buf, used, layout, spans, order, top_k, want, "prefill", cfg=cfg)
-    assert not torch.isnan(got).any()
-    assert torch.equal(got, want)
-
-
 @pytest.mark.parametrize("precision", ["q4", "q3", "q2"])
 @pytest.mark.parametrize("swap", [0, 1])
-def test_prefill_unpacked_in_thread_over_groups(precision, swap):
-    """unpack 2 with K tiles of two groups (BK 128): each word's scale and bias are its own group's."""
+def test_prefill_codes_over_groups(precision, swap):
+    """K tiles of two groups (BK 128): each word's scale and bias are its own group's."""
     from moestream.kernels.expert_mlp import TileConfig
 
-    _prefill_two_experts(precision, 256, 128, 24, TileConfig(64, 64, 128, 64, 128, 4, 2, 2, swap=swap), 11)
+    _prefill_two_experts(precision, 256, 128, 24, TileConfig(64, 64, 128, 64, 128, 4, 2, swap=swap), 11)
 
 
 @pytest.mark.parametrize("precision,swap", [("q4", 1), ("q4", 0), ("q2", 1), ("bf16", 1), ("q3", 1)])
-@pytest.mark.parametrize("unpack,ahead", [(1, 0), (2, 1)])
-def test_prefill_gate_and_up_joined(precision, swap, unpack, ahead):
+def test_prefill_gate_and_up_joined(precision, swap):
     """join: each gate/up tile holds BN / 2 gate rows and the same up rows (one MMA a step), over several K steps
-    and two output blocks (intermediate 64 at BN 64); Q3 falls back to separate tiles. With affine_ahead the
-    joined and down tiles load each step's scales a step ahead (192 = 3 x 64; down's 64 in one step)."""
+    (192 = 3 x 64) and two output blocks (intermediate 64 at BN 64); Q3 falls back to separate tiles."""
     from moestream.kernels.expert_mlp import TileConfig
 
-    cfg = TileConfig(64, 64, 64, 64, 64, 4, 2, unpack, swap=swap, join=1, affine_ahead=ahead)
+    cfg = TileConfig(64, 64, 64, 64, 64, 4, 2, swap=swap, join=1)
     _prefill_two_experts(precision, 192, 64, 40, cfg, 10)

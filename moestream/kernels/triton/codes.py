@@ -54,9 +54,9 @@ def _codes(w, FIRST: tl.constexpr, STEP: tl.constexpr, P: tl.constexpr, field, s
 @triton.jit
 def joined_codes(words, base, off_h, scale, bias, rows, wcols, code_mask, K: tl.constexpr, BITS: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, NG: tl.constexpr):
-    """UNPACK 2 of `weight_tile` (expert_mlp.py): each word's codes dequantized where the word is, then joined
-    in-thread into the [BN, BK] tile (Q3's two planes first become Q4-style nibbles). UNPACK 1's reshape spread a
-    word's codes over the lanes, so each thread unpacked one code per word and loaded a scale per code."""
+    """`weight_tile`'s codes (expert_mlp.py): each word's codes dequantized where the word is, then joined in-thread
+    into the [BN, BK] tile (Q3's two planes first become Q4-style nibbles). Spreading a word's codes over the lanes
+    by a reshape measured slower: each thread then unpacked one code per word and loaded a scale per code."""
     P: tl.constexpr = 4 if BITS == 3 else BITS  # the width codes are placed at
     field = (code_mask if BITS != 3 else 15) << (23 - P)
     WPG: tl.constexpr = words.shape[1] // NG  # words a group

@@ -7,17 +7,14 @@ graph serves every step."""
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton.launch import dependent_start
-
 
 @triton.jit
 def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, qk_scale, C,
                                   HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                                   GP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-                                  SPLITS: tl.constexpr, PDL: tl.constexpr):
+                                  SPLITS: tl.constexpr):
     """Partials of split s for kv head hk: acc [G, D] = sum_n p_n v_n, m = max score, l = sum_n p_n, with
     scores in log2 units (qk_scale = scale * log2(e)). An empty split leaves m = -inf, l = 0, acc = 0."""
-    dependent_start(PDL)
     hk = tl.program_id(0)
     s = tl.program_id(1)
     g = tl.arange(0, GP)
@@ -55,9 +52,8 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, 
 
 @triton.jit
 def decode_attention_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
-                                    SPLITS_P: tl.constexpr, PDL: tl.constexpr):
+                                    SPLITS_P: tl.constexpr):
     """out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, in a fixed order (deterministic)."""
-    dependent_start(PDL)
     h = tl.program_id(0)
     i = tl.arange(0, SPLITS_P)
     # split 0 always holds position 0, so the max is finite and empty splits weigh exactly 0

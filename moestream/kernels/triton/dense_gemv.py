@@ -2,7 +2,6 @@
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -13,19 +12,11 @@ def _weights(w_ptr, n, live, k0, K: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def dense_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    """Program i: y[n] for the BN rows n of block i, over K in chunks of BK (the last one masked).
-
-    Launched as a dependent (PDL), it lets the next kernel launch at once and loads its first weights before it
-    waits for x: the weights are never written, and the kernels after a projection read nothing before their
-    own wait."""
-    if PDL:
-        gdc_launch_dependents()
+                      HAS_BIAS: tl.constexpr):
+    """Program i: y[n] for the BN rows n of block i, over K in chunks of BK (the last one masked)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     live = n < N
     w = _weights(w_ptr, n, live, 0, K, BK)
-    if PDL:
-        gdc_wait()  # x is the kernel before's output
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)

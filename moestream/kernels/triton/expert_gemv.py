@@ -7,7 +7,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moestream.kernels.triton.codes import q3_nibbles
 from moestream.kernels.triton.expert_mlp import group_affine, record_base
-from moestream.kernels.triton.launch import dependent_start
 
 
 @triton.jit
@@ -213,22 +212,11 @@ def gate_up_rows(xrow, base, n, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, 
 
 
 @triton.jit
-def await_count(count_ptr, count):
-    """Spin until *count_ptr reaches `count`, then acquire: what its writers stored before their release is seen
-    by every thread of the program. One thread polls with acquire loads (H200: 13.9 us a 1-row step; every warp
-    polling relaxed, with one acquire after: 17.5)."""
-    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < count:
-        pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def down_rows(hrow, base, n, off_dw, off_dh, off_ds, off_db, field_mask, count_ptr, count, I: tl.constexpr,
-              BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
-              AHEAD: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr, WAIT: tl.constexpr):
-    """[BN] fp32: hrow @ down[n].T (SPAN, AHEAD, TAIL1/2 as in gate_up_rows). The first chunk's weights load
-    before h is awaited: WAIT 1 for the kernel before (programmatic dependent launch), 2 for *count_ptr to reach
-    `count` (`await_count`), 0 not at all."""
+def down_rows(hrow, base, n, off_dw, off_dh, off_ds, off_db, field_mask, I: tl.constexpr, BITS: tl.constexpr,
+              GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr,
+              TAIL1: tl.constexpr, TAIL2: tl.constexpr, WAIT: tl.constexpr):
+    """[BN] fp32: hrow @ down[n].T (SPAN, AHEAD, TAIL1/2 as in gate_up_rows). With WAIT (a programmatic dependent
+    launch) the first chunk's weights load before h, the kernel before's output, is awaited."""
     W: tl.constexpr = BK if BITS == 16 else BK // GROUP
     MAIN: tl.constexpr = SPAN if SPAN < I else I
     acc = tl.zeros((BN, W), dtype=tl.float32)
@@ -241,10 +229,8 @@ def down_rows(hrow, base, n, off_dw, off_dh, off_ds, off_db, field_mask, count_p
         d1w, d1h = _gemv_load(base, off_dw, off_dh, n, SPAN, I, BITS, TAIL1, I)
     if TAIL2 > 0:
         d2w, d2h = _gemv_load(base, off_dw, off_dh, n, SPAN + TAIL1, I, BITS, TAIL2, I)
-    if WAIT == 1:
+    if WAIT:
         gdc_wait()
-    elif WAIT == 2:
-        await_count(count_ptr, count)
     for k0 in range(0, SPAN, BK):
         if AHEAD > 0:  # AHEAD chunks in flight while this one computes (past SPAN: masked, nothing read)
             dwn, dhn = _gemv_load(base, off_dw, off_dh, n, k0 + AHEAD * BK, I, BITS, BK, MAIN)
@@ -272,18 +258,15 @@ def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, b
                         off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
-                        INDIRECT: tl.constexpr, WAIT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr,
-                        TAIL2: tl.constexpr):
+                        INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
     PDL lets the down kernel start early (programmatic dependent launch), to read its weights while this one
-    runs; WAIT: this one was launched as a dependent too. INDIRECT: program i's record address is
+    runs. INDIRECT: program i's record address is
     tile_addr[records[i]] (a layer's address table indexed by expert id). SELECT (mixed precision, INDIRECT): only
     the entries whose record has bits_ptr[records[i]] == BITS; another launch computes the others. SPAN, AHEAD,
     TAIL1/2: `gate_up_rows`."""
-    if WAIT:
-        dependent_start(True)
-    elif PDL:
+    if PDL:
         gdc_launch_dependents()
     i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
     if SELECT:
@@ -310,5 +293,5 @@ def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits
             return
     n = pid_n * BN + tl.arange(0, BN)
     y = down_rows(h_ptr + i * I, record_base(tile_addr_ptr, record), n, off_dw, off_dh, off_ds, off_db, field_mask,
-                  entries_ptr, 0, I, BITS, GROUP, BN, BK, SPAN, AHEAD, TAIL1, TAIL2, 1 if PDL else 0)
+                  I, BITS, GROUP, BN, BK, SPAN, AHEAD, TAIL1, TAIL2, PDL)
     tl.store(y_ptr + e * H + n, y.to(y_ptr.dtype.element_ty))

@@ -30,13 +30,6 @@ def group_affine(base, off_s, off_b, g, BITS: tl.constexpr, live=None):
 
 
 @triton.jit
-def _as_float(codes):
-    """Small non-negative int32 codes as exact fp32 without int->float conversions (slower than FFMA on
-    Hopper, and one per code in the prefill): 2**23 + q has q in its low mantissa bits."""
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def tile_affine(base, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                 BK: tl.constexpr):
     """The scales and biases of a weight tile's groups ([BN, max(BK / GROUP, 1)]; unread for bf16)."""
@@ -52,51 +45,20 @@ def tile_affine(base, off_s, off_b, rows, k0, K: tl.constexpr, BITS: tl.constexp
 
 @triton.jit
 def weight_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.constexpr, BITS: tl.constexpr,
-                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
+                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """A [BN, BK] tile (rows `rows`, columns k0..k0+BK) of an [N, K] weight, dequantized to fp32 with its
-    groups' `scale` and `bias` (`tile_affine`).
-
-    UNPACK 0 loads each code's word (the repeats hit L1); UNPACK 1 loads each word once and splits it
-    with a reshape; UNPACK 2 dequantizes each word's codes in the thread that loaded it (`joined_codes`). Which is
-    faster is measured per GPU (benchmarks/bench_kernels.py)."""
+    groups' `scale` and `bias` (`tile_affine`). Each code word is loaded once and its codes dequantized in the
+    thread that loaded it (`joined_codes`)."""
     if BITS == 16:  # an if/else: the compiler goes on past a constexpr branch's return
         ptr = (base + off_w).to(tl.pointer_type(tl.bfloat16))
         w = tl.load(ptr + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :]).to(tl.float32)
     else:
-        w = _coded_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K, BITS, GROUP, BN, BK, UNPACK)
+        NG: tl.constexpr = BK // GROUP if BK > GROUP else 1
+        PER: tl.constexpr = 32 // (2 if BITS == 3 else BITS)  # codes a word (Q3's `_w` plane: its low two bits)
+        wcols = k0 // PER + tl.arange(0, BK // PER)
+        words = tl.load((base + off_w).to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // PER) + wcols[None, :])
+        w = joined_codes(words, base, off_h, scale, bias, rows, wcols, code_mask, K, BITS, BN, BK, NG)
     return w
-
-
-@triton.jit
-def _coded_tile(base, off_w, off_h, scale, bias, rows, k0, code_mask, K: tl.constexpr, BITS: tl.constexpr,
-                GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr):
-    """`weight_tile` for Q4 / Q3 / Q2 codes."""
-    cols = k0 + tl.arange(0, BK)
-    NG: tl.constexpr = BK // GROUP if BK > GROUP else 1
-    WBITS: tl.constexpr = 2 if BITS == 3 else BITS  # Q3's `_w` plane holds its low two bits
-    PER: tl.constexpr = 32 // WBITS  # `code_mask` = (1 << WBITS) - 1
-    wptr = (base + off_w).to(tl.pointer_type(tl.int32))
-    if UNPACK == 0:
-        words = tl.load(wptr + rows[:, None] * (K // PER) + (cols[None, :] // PER))
-        codes = (words >> ((cols[None, :] % PER) * WBITS)) & code_mask
-        if BITS == 3:
-            hptr = (base + off_h).to(tl.pointer_type(tl.int32))
-            high = tl.load(hptr + rows[:, None] * (K // 32) + cols[None, :] // 32)
-            codes = codes | (((high >> (cols[None, :] % 32)) & 1) << 2)
-        w = tl.reshape(_as_float(codes), (BN, NG, BK // NG)) * scale[:, :, None] + bias[:, :, None]
-        return tl.reshape(w, (BN, BK))
-    wcols = k0 // PER + tl.arange(0, BK // PER)
-    words = tl.load(wptr + rows[:, None] * (K // PER) + wcols[None, :])  # [BN, BK / PER]
-    if UNPACK == 2:
-        return joined_codes(words, base, off_h, scale, bias, rows, wcols, code_mask, K, BITS, BN, BK, NG)
-    fields = tl.arange(0, PER)
-    codes = (words[:, :, None] >> (fields * WBITS)[None, None, :]) & code_mask  # [BN, BK / PER, PER]
-    if BITS == 3:  # the high bits of word w's 16 codes are 16-bit word w of the `_h` plane (little-endian)
-        hptr = (base + off_h).to(tl.pointer_type(tl.int16))
-        high = tl.load(hptr + rows[:, None] * (K // 16) + wcols[None, :]).to(tl.int32)
-        codes = codes | (((high[:, :, None] >> fields[None, None, :]) & 1) << 2)
-    w = tl.reshape(_as_float(codes), (BN, NG, BK // NG)) * scale[:, :, None] + bias[:, :, None]
-    return tl.reshape(w, (BN, BK))
 
 
 @triton.jit
@@ -153,35 +115,26 @@ def _halves(acc, SWAP: tl.constexpr):
 @triton.jit
 def _rows_by_weight(a_ptr, a_rows, valid, base_w, base_s, off_w, off_h, off_s, off_b, w_rows, code_mask,
                     K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr, AHEAD: tl.constexpr):
+                    BK: tl.constexpr, SWAP: tl.constexpr):
     """The valid rows a_rows of a [*, K] activation times weight rows w_rows (codes from base_w, scales and biases
-    from base_s): [BM, BN], or with SWAP [BN, BM], in fp32. AHEAD loads each step's scales and biases a step
-    ahead: plain loads (too small for the pipeliner's async copies), each step otherwise waits for them."""
+    from base_s): [BM, BN], or with SWAP [BN, BM], in fp32."""
     if SWAP:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if AHEAD:
-        s, b = tile_affine(base_s, off_s, off_b, w_rows, 0, K, BITS, GROUP, BK)
     for k0 in range(0, K, BK):
-        if AHEAD:  # the last step reloads the first step's: harmless
-            s_next, b_next = tile_affine(base_s, off_s, off_b, w_rows, (k0 + BK) % K, K, BITS, GROUP, BK)
-        else:
-            s, b = tile_affine(base_s, off_s, off_b, w_rows, k0, K, BITS, GROUP, BK)
+        s, b = tile_affine(base_s, off_s, off_b, w_rows, k0, K, BITS, GROUP, BK)
         k = k0 + tl.arange(0, BK)
         a = tl.load(a_ptr + a_rows[:, None] * K + k[None, :], mask=valid[:, None], other=0.0)
-        w = weight_tile(base_w, off_w, off_h, s, b, w_rows, k0, code_mask, K, BITS, GROUP, BN, BK, UNPACK)
+        w = weight_tile(base_w, off_w, off_h, s, b, w_rows, k0, code_mask, K, BITS, GROUP, BN, BK)
         acc = _product(acc, a, w, SWAP)
-        if AHEAD:
-            s, b = s_next, b_next
     return acc
 
 
 @triton.jit
 def _joined_gate_up(x_ptr, h_ptr, base, pos, valid, row, off_gw, off_gh, off_gs, off_gb, off_uw, off_us, code_mask,
                     H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
-                    AHEAD: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):
     """gate_up_kernel with BN / 2 gate rows and the same up rows in one [BN, BK] weight tile: one MMA a step and
     one accumulator, so 8 warps split the weight rows where separate gate and up tiles split the entries. Each
     row's base moves to the up fields for the second half (no Q3: its high-bit plane moves by another distance)."""
@@ -191,7 +144,7 @@ def _joined_gate_up(x_ptr, h_ptr, base, pos, valid, row, off_gw, off_gh, off_gs,
     base_w = base + tl.where(r >= HALF, off_uw - off_gw, 0)[:, None]
     base_s = base + tl.where(r >= HALF, off_us - off_gs, 0)[:, None]  # biases move as far (format.py)
     acc = _rows_by_weight(x_ptr, row, valid, base_w, base_s, off_gw, off_gh, off_gs, off_gb, w_rows, code_mask, H,
-                          BITS, GROUP, BM, BN, BK, UNPACK, SWAP, AHEAD)
+                          BITS, GROUP, BM, BN, BK, SWAP)
     g, u = _halves(acc, SWAP)
     n = tl.program_id(1) * HALF + tl.arange(0, HALF)
     _store_rows(h_ptr, g / (1.0 + tl.exp(-g)) * u, pos, n, I, valid, SWAP)
@@ -201,18 +154,13 @@ def _joined_gate_up(x_ptr, h_ptr, base, pos, valid, row, off_gw, off_gh, off_gs,
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                    off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, code_mask,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr,
-                   SWAP: tl.constexpr, JOIN: tl.constexpr, AHEAD: tl.constexpr, SPARSE: tl.constexpr):
-    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile (JOIN: `_joined_gate_up`;
-    AHEAD: `_rows_by_weight`, joined tiles only; SPARSE: tiles of no entries may follow the last, and exit)."""
-    if SPARSE:
-        if tl.load(tile_count_ptr + tl.program_id(0)) == 0:
-            return
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, JOIN: tl.constexpr):
+    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile (JOIN: `_joined_gate_up`)."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     row = entry // TOP_K
     if JOIN:
         _joined_gate_up(x_ptr, h_ptr, base, pos, valid, row, off_gw, off_gh, off_gs, off_gb, off_uw, off_us,
-                        code_mask, H, I, BITS, GROUP, BM, BN, BK, UNPACK, SWAP, AHEAD)
+                        code_mask, H, I, BITS, GROUP, BM, BN, BK, SWAP)
         return
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     if SWAP:
@@ -225,10 +173,10 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
         x = tl.load(x_ptr + row[:, None] * H + k[None, :], mask=valid[:, None], other=0.0)
         x = x.to(x_ptr.dtype.element_ty)
         gs, gb = tile_affine(base, off_gs, off_gb, n, k0, H, BITS, GROUP, BK)
-        g = weight_tile(base, off_gw, off_gh, gs, gb, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
+        g = weight_tile(base, off_gw, off_gh, gs, gb, n, k0, code_mask, H, BITS, GROUP, BN, BK)
         acc_g = _product(acc_g, x, g, SWAP)
         us, ub = tile_affine(base, off_us, off_ub, n, k0, H, BITS, GROUP, BK)
-        u = weight_tile(base, off_uw, off_uh, us, ub, n, k0, code_mask, H, BITS, GROUP, BN, BK, UNPACK)
+        u = weight_tile(base, off_uw, off_uh, us, ub, n, k0, code_mask, H, BITS, GROUP, BN, BK)
         acc_u = _product(acc_u, x, u, SWAP)
     _store_rows(h_ptr, acc_g / (1.0 + tl.exp(-acc_g)) * acc_u, pos, n, I, valid, SWAP)
 
@@ -237,15 +185,10 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                 off_dw, off_dh, off_ds, off_db, code_mask,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
-                AHEAD: tl.constexpr, SPARSE: tl.constexpr):
-    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics; AHEAD: `_rows_by_weight`;
-    SPARSE as gate_up_kernel's)."""
-    if SPARSE:
-        if tl.load(tile_count_ptr + tl.program_id(0)) == 0:
-            return
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):
+    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     acc = _rows_by_weight(h_ptr, pos, valid, base, base, off_dw, off_dh, off_ds, off_db, n, code_mask, I, BITS, GROUP,
-                          BM, BN, BK, UNPACK, SWAP, AHEAD)
+                          BM, BN, BK, SWAP)
     _store_rows(y_ptr, acc, entry, n, H, valid, SWAP)

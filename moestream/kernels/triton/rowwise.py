@@ -6,8 +6,6 @@ program per token)."""
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton.launch import dependent_start
-
 
 @triton.jit
 def _normed(x, inv_rms, w, dt, ZERO_CENTERED: tl.constexpr):
@@ -20,10 +18,9 @@ def _normed(x, inv_rms, w, dt, ZERO_CENTERED: tl.constexpr):
 
 @triton.jit
 def rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr,
-                    ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+                    ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr):
     """out[r] = w * norm(x[r]), or (1 + w) * norm(x[r]) with ZERO_CENTERED. With ADD the row is first
     x[r] + res[r], rounded to x's dtype and stored to sum[r] (the residual stream, in the same launch)."""
-    dependent_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     inside = d < D
@@ -64,10 +61,9 @@ def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS: tl.constexpr, D: tl.c
 
 @triton.jit
 def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                 K_BLOCK: tl.constexpr, NORMALISE: tl.constexpr, PDL: tl.constexpr):
+                 K_BLOCK: tl.constexpr, NORMALISE: tl.constexpr):
     """Softmax over a token's E router logits in fp32, then the TOP_K largest, largest first (a tie goes to
     the lower expert id), optionally renormalised to sum to 1."""
-    dependent_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK)
     logits = tl.load(logits_ptr + r * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -93,11 +89,10 @@ def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, BLOCK: tl.co
 def qk_norm_rope_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
                               eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                               Q_STRIDE: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
-                              QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, PDL: tl.constexpr):
+                              QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     """One decode token's attention glue, program h = one head of the fused [q | k | v] projection row:
     q heads (every Q_STRIDE, gate halves skipped) and k heads are RMS-normed (QK_NORM) and rotated into
     q / the cache row at *pos_ptr; v heads are copied there. Rounds where rms_norm and rotary round."""
-    dependent_start(PDL)
     h = tl.program_id(0)
     pos = tl.load(pos_ptr)
     d = tl.arange(0, BLOCK)
