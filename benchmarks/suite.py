@@ -151,7 +151,7 @@ def stage_moestream(args) -> list[dict]:
             total_gb = g.num_records * layout.stride / 1e9
             llm = LLM(path, device=args.device, pool_gb=total_gb * frac * 1.0001,
                       host_gb=total_gb * 1.01 if host else 0, preload=frac == 1.0 or host, **opts)
-            ring = llm.engine_config.experts
+            ring = llm.engine_config.expert
             base = {"model": name, "engine": engine, "pool": frac, "host_tier": host,
                     "ring_lookahead": ring.ring_lookahead, "ring_group": ring.ring_group}
             runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream"

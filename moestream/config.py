@@ -8,10 +8,11 @@ engine does not implement. Nothing here touches weights.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from moestream.errors import UnsupportedModelError
+from moestream.errors import ConfigError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen4_exp")
 _TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen4_exp_text": "qwen4_exp"}
@@ -270,11 +271,24 @@ def _indexer_fields(cfg: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, An
     return dict(values, layer_types=tuple("indexed_attention" if t == "full_attention" else t for t in types))
 
 
+PRECISIONS = ("q4", "q3", "q2", "bf16")
+DECODE_MODES = ("graph", "eager", "handshake")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class ExpertConfig:
     """How routed experts are kept and streamed (DESIGN.md section 3)."""
 
-    precision: str = "q4"  # "q4", "q3", "q2" or "bf16"
+    precision: str | None = None  # "q4", "q3", "q2" or "bf16"; None: what the store holds (q4 first)
     miss_precision: str | None = None  # "q3"/"q2" with q4: misses fetched low-bit (--miss-experts)
     pool_gb: float | None = None  # GPU pool budget in decimal GB; None = automatic
     host_gb: float = 0.0  # pinned host-RAM tier; 0 = off
@@ -283,20 +297,66 @@ class ExpertConfig:
     lookahead: bool = True  # prefetch layer L+1's predicted experts during layer L
     ring_lookahead: bool = True  # prefill: the next layer's ring fetches start early (v7, 16 a batch: 90% of bound)
     prefill_min_rows: int = 32  # a layer step with this many rows streams its misses through the ring
-    # the whole model in the pool: prefill builds its grouping and tiles on the GPU, so no layer waits for the
-    # host's decisions; off: on the H200 it kept the tokens but did not beat the host path (NOTES, session 19)
-    prefill_in_place: bool = False
     read_threads: int = 8
     staging_records: int = 16  # pinned staging buffers when there is no host tier
     direct_io: bool = True
-    fake_reads: bool = False  # developer switch: skip disk reads and copies (slot contents are garbage)
+    fake_reads: bool = False  # benchmarks: skip disk reads and copies to time the GPU path alone (slots hold garbage)
     io_timeout_s: float = 30.0
-    profile: bool = False  # record CUDA events per prefill layer: copy, compute and wall time
+    profile: bool = False  # benchmarks: CUDA events per prefill layer (copy, compute and wall time) in the stats
+
+    def __post_init__(self):
+        _check(self.precision in (None, *PRECISIONS), f"expert precision {self.precision!r}: choose 4, 3, 2 or 16")
+        _check(self.miss_precision in (None, "q3", "q2") and (self.miss_precision is None or self.precision in
+                                                             (None, "q4")),
+               "--miss-experts takes 3 or 2, with --experts 4")
+        _check(_finite(self.pool_gb) and (self.pool_gb is None or self.pool_gb > 0), "--pool-gb must be a number > 0")
+        _check(_finite(self.host_gb) and self.host_gb >= 0, "--host-gb must be a number >= 0 (0: no host tier)")
+        _check(self.ring_slots >= 1 and self.ring_group >= 1, "need --ring >= 1 and --group >= 1")
+        _check(self.prefill_min_rows >= 1 and self.read_threads >= 1 and self.staging_records >= 1,
+               "prefill_min_rows, read_threads and staging_records must be >= 1")
+        _check(_finite(self.io_timeout_s) and self.io_timeout_s > 0, "io_timeout_s must be a number > 0")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "cpu"
-    dtype: str = "float32"
-    experts: ExpertConfig = field(default_factory=ExpertConfig)
-    prefill_chunk: int = 4096  # prompt tokens per forward
+    """Every engine option, checked when made: `LLM(store, EngineConfig(...), **overrides)`."""
+
+    device: str | None = None  # "cuda" or "cpu"; None: cuda when a GPU is present
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    expert: ExpertConfig = field(default_factory=ExpertConfig)
+    # decode steps: "graph" (captured once every record is addressable), "eager" (the same static step, never
+    # captured: to time graphs against) or "handshake" (every layer routed through the host: invariance tests)
+    decode_mode: str = "graph"
+    max_context: int = 8192  # decode buffers reserved at load (grown by doubling past it)
+    prefill_chunk: int = 4096  # prompt tokens per forward; prefix-cache snapshots are taken at its multiples
+    prefix_cache_mb: float = 0.0  # host memory for prompt-prefix snapshots; 0 = off
+    preload: bool | None = None  # load every record at start when the pool or host tier holds them; None: on CUDA
+    warm: bool | None = None  # compile every kernel variant and capture the decode graph at load; None: on CUDA
+
+    def __post_init__(self):
+        _check(self.device in (None, "cuda", "cpu"), f"device {self.device!r}: choose cuda or cpu")
+        _check(self.dtype in (None, "bfloat16", "float16", "float32"),
+               f"dtype {self.dtype!r}: choose bfloat16, float16 or float32")
+        _check(self.decode_mode in DECODE_MODES, f"decode_mode {self.decode_mode!r}: choose {', '.join(DECODE_MODES)}")
+        _check(self.max_context >= 1 and self.prefill_chunk >= 1, "need max_context >= 1 and prefill_chunk >= 1")
+        _check(_finite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0, "prefix_cache_mb must be a number >= 0")
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """This config with fields replaced by name; ExpertConfig's fields may be named directly, and `experts` /
+        `miss_experts` take bits (4, 3, 2, 16) as the command line does."""
+        names = {f.name for f in dataclasses.fields(ExpertConfig)}
+        expert = {k: overrides.pop(k) for k in list(overrides) if k in names}
+        for name, target in (("experts", "precision"), ("miss_experts", "miss_precision")):
+            if name in overrides:
+                expert[target] = _precision(overrides.pop(name))
+        if unknown := sorted(set(overrides) - {f.name for f in dataclasses.fields(self)}):
+            raise ConfigError(f"unknown engine option {unknown[0]!r}")
+        return dataclasses.replace(self, expert=dataclasses.replace(self.expert, **expert), **overrides)
+
+
+def _precision(bits: int | str | None) -> str | None:
+    if bits is None or bits in PRECISIONS:
+        return bits
+    names = {4: "q4", 3: "q3", 2: "q2", 16: "bf16"}
+    _check(bits in names, f"no expert precision with {bits} bits; choose from 4, 3, 2 or 16")
+    return names[bits]

@@ -19,3 +19,7 @@ class UnsupportedModelError(MoestreamError):
 
 class BudgetError(MoestreamError):
     """A memory budget too small for one step."""
+
+
+class ConfigError(MoestreamError):
+    """An engine option out of its range."""

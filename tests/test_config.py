@@ -40,3 +40,31 @@ def test_multimodal_text_config_is_read():
     text = hf("qwen3_5_moe")
     wrapped = {"model_type": "qwen3_5_moe", "text_config": text, "vision_config": {"depth": 2}}
     assert ModelConfig.from_hf(wrapped) == ModelConfig.from_hf(text)
+
+
+def test_engine_config_takes_overrides_by_name_and_checks_them():
+    from moestream.config import EngineConfig, ExpertConfig
+    from moestream.errors import ConfigError
+
+    cfg = EngineConfig(max_context=64).with_overrides(pool_gb=2.5, experts=16, miss_experts=None, prefill_chunk=8)
+    assert (cfg.max_context, cfg.prefill_chunk, cfg.expert.pool_gb, cfg.expert.precision) == (64, 8, 2.5, "bf16")
+    for bad in (dict(pool_gb=float("nan")), dict(host_gb=-1.0), dict(ring_group=0), dict(experts=5),
+                dict(experts=2, miss_experts=3), dict(decode_mode="fast"), dict(prefix_cache_mb=-1.0),
+                dict(no_such_option=1)):
+        with pytest.raises(ConfigError):
+            EngineConfig().with_overrides(**bad)
+    with pytest.raises(ConfigError, match="io_timeout_s"):
+        ExpertConfig(io_timeout_s=0)
+
+
+def test_llm_takes_a_config_and_keyword_overrides(tiny):
+    from moestream.config import EngineConfig
+    from moestream.engine.llm import LLM
+
+    llm = LLM(tiny.store("qwen3_moe"), EngineConfig(device="cpu", prefill_chunk=8), ring_group=2)
+    try:
+        cfg = llm.engine_config
+        assert (cfg.device, cfg.dtype, cfg.prefill_chunk, cfg.expert.ring_group, cfg.expert.precision) == \
+            ("cpu", "float32", 8, 2, "q4")
+    finally:
+        llm.close()

@@ -48,7 +48,7 @@ def profile_decode(llm: LLM, ids: list[int], steps: int = 32) -> list[tuple[str,
 
 
 def decode_runs(store: str, tokens: int = 64, profile: bool = False,
-                modes: tuple[str, ...] = ("graph", "addressed", "handshake")) -> list[dict]:
+                modes: tuple[str, ...] = ("graph", "eager", "handshake")) -> list[dict]:
     rows = []
     for mode in modes:
         llm = LLM(store, device="cuda", decode_mode=mode)
@@ -59,7 +59,7 @@ def decode_runs(store: str, tokens: int = 64, profile: bool = False,
         rows.append({"mode": mode, "decode_tok_s": t["decode_tok_s"], "ms_per_token": 1e3 / t["decode_tok_s"],
                      "graph_replays": llm.decoder.graph_replays, "tokens": out.token_ids[:8]})
         print(rows[-1])
-        if profile and mode in ("graph", "addressed"):
+        if profile and mode in ("graph", "eager"):
             rows[-1]["profile_us_per_step"] = profile_decode(llm, ids)
         llm.close()
         torch.cuda.empty_cache()
@@ -175,7 +175,7 @@ def main() -> None:
     p.add_argument("--lengths", default="512,4096")
     p.add_argument("--host-gb", type=float, default=0.0)
     p.add_argument("--warm", action="store_true", help="run each prompt once before timing it")
-    p.add_argument("--decode-modes", default="graph,addressed,handshake")
+    p.add_argument("--decode-modes", default="graph,eager,handshake")
     p.add_argument("--profile", action="store_true", help="break graphed and eager decode steps down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
     p.add_argument("--ring-groups", default=str(ExpertConfig.ring_group),

@@ -19,7 +19,7 @@ import torch
 from benchmarks.common import BENCH_DIR
 from moestream.config import ExpertConfig
 from moestream.experts.grouping import group_by_expert
-from moestream.experts.provider import StreamingProvider
+from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
 from moestream.kernels import expert_mlp
 
@@ -44,13 +44,13 @@ def main() -> None:
     gb = g.num_records * store.manifest.layouts["q4"].stride / 1e9
     experts = ExpertConfig(pool_gb=1.2 * gb, direct_io=False) if args.pool >= 1 else \
         ExpertConfig(pool_gb=args.pool * gb, host_gb=1.1 * gb, direct_io=False, fake_reads=True)
-    provider = StreamingProvider(store, experts, torch.device("cpu"), 8)
+    provider = ExpertProvider(store, experts, torch.device("cpu"), 8)
     ids = torch.rand(args.rows, g.num_experts, generator=torch.Generator().manual_seed(0)).argsort(dim=1)[:, :8]
     x = torch.zeros(args.rows, 8)
     for layer in (*range(g.num_layers), 0, 1):  # fills the pool (and the host tier): later steps are steady
-        list(provider.batches(layer % g.num_layers, ids, x))
+        list(provider.parts(layer % g.num_layers, ids, x, ExpertStep()))
     cfg = expert_mlp.tile_config("prefill", provider.layout)
-    batches = list(provider.batches(0, ids, x))
+    batches = list(provider.parts(0, ids, x, ExpertStep()))
     grouping = _us(lambda: group_by_expert(ids, g.num_experts))
     step = group_by_expert(ids, g.num_experts)
 
@@ -58,7 +58,7 @@ def main() -> None:
 
     def decide():  # `batches` less its grouping
         provider.pool.new_step()
-        list(provider._ring_path(next(layers), step, {}))
+        list(provider.ring.batches(next(layers), step, None))
     decisions = _us(decide)
     tiles = _us(lambda: [expert_mlp.prefill_tiles(b.spans, [b.buffer.data_ptr() + s * b.buffer.stride(0)
                                                             for s in b.slots], cfg) for b in batches])

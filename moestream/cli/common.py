@@ -4,22 +4,44 @@ from __future__ import annotations
 
 import argparse
 
+from moestream.config import DECODE_MODES, EngineConfig
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+DEFAULTS = EngineConfig()
+
+
+def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULTS) -> None:
+    """The engine options, each defaulting to `defaults` (an EngineConfig: the dataclass's own, or a command's)."""
+    e = defaults.expert
     p.add_argument("store", help="store folder written by `moestream pack`")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is present, else cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--pool-gb", type=float, help="GPU expert pool in decimal GB (default: from free memory)")
-    p.add_argument("--host-gb", type=float, default=0.0, help="pinned host-RAM expert tier in GB (default 0: off)")
-    p.add_argument("--experts", type=int, default=4, choices=[4, 3, 2, 16], help="expert precision (default 4)")
+    p.add_argument("--host-gb", type=float, help=f"pinned host-RAM expert tier in GB (default {e.host_gb:g}: off)")
+    p.add_argument("--experts", type=int, choices=[4, 3, 2, 16],
+                   help="expert precision (default: what the store holds, 4-bit first)")
     p.add_argument("--miss-experts", type=int, choices=[3, 2],
                    help="with --experts 4: fetch demand and ring misses at 3 or 2 bits (pool fills stay 4-bit)")
-    p.add_argument("--ring", type=int, default=64, help="prefill ring slots (default 64)")
-    p.add_argument("--group", type=int, default=16, help="experts per ring batch (default 16)")
-    p.add_argument("--no-lookahead", action="store_true", help="do not prefetch the next layer's experts")
-    p.add_argument("--no-ring-lookahead", action="store_true",
+    p.add_argument("--ring", type=int, dest="ring_slots", help=f"prefill ring slots (default {e.ring_slots})")
+    p.add_argument("--group", type=int, dest="ring_group", help=f"experts per ring batch (default {e.ring_group})")
+    p.add_argument("--no-lookahead", action="store_false", dest="lookahead", default=None,
+                   help="do not prefetch the next layer's experts")
+    p.add_argument("--no-ring-lookahead", action="store_false", dest="ring_lookahead", default=None,
                    help="prefill: do not start the next layer's ring copies before this layer is done")
+    p.add_argument("--max-context", type=int, help=f"decode buffers reserved at load (default {defaults.max_context})")
+    p.add_argument("--prefill-chunk", type=int,
+                   help=f"prompt tokens per prefill forward (default {defaults.prefill_chunk}); prefix-cache "
+                        "snapshots are taken every chunk")
+    p.add_argument("--prefix-cache-mb", type=float,
+                   help=f"host memory for prompt-prefix snapshots in decimal MB (default {defaults.prefix_cache_mb:g}; "
+                        "0: off)")
+    p.add_argument("--decode-mode", choices=DECODE_MODES,
+                   help=f"decode steps: captured CUDA graphs, the same step eager, or routed through the host every "
+                        f"layer (default {defaults.decode_mode})")
+
+
+ENGINE_ARGS = ("device", "dtype", "pool_gb", "host_gb", "experts", "miss_experts", "ring_slots", "ring_group",
+               "lookahead", "ring_lookahead", "max_context", "prefill_chunk", "prefix_cache_mb", "decode_mode")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,13 +65,11 @@ def sampling_params(args: argparse.Namespace):
                           stop=tuple(args.stop))
 
 
-def open_llm(args: argparse.Namespace, **options):
-    """The `LLM` the engine options ask for; `options` go to `LLM` as they are (serve: prefix cache)."""
+def open_llm(args: argparse.Namespace, defaults: EngineConfig = DEFAULTS):
+    """The `LLM` the engine options ask for: `defaults` with the options given replaced."""
     from moestream.engine.llm import LLM
 
-    return LLM(args.store, device=args.device, dtype=args.dtype, pool_gb=args.pool_gb, host_gb=args.host_gb,
-               experts=args.experts, miss_experts=args.miss_experts, ring_slots=args.ring, ring_group=args.group,
-               lookahead=not args.no_lookahead, ring_lookahead=not args.no_ring_lookahead, **options)
+    return LLM(args.store, defaults, **{k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k) is not None})
 
 
 def report(out, seconds: float | None = None) -> None:

@@ -5,15 +5,18 @@ The port is bound before the model loads, so a port in use is reported at once, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import os
 import signal
 import socket
 import sys
 
-from moestream.cli.common import add_engine_args, open_llm
+from moestream.cli.common import DEFAULTS, add_engine_args, open_llm
 from moestream.errors import MoestreamError
 
+# a server sees many prompts sharing prefixes (chat turns, system prompts): snapshots every 512 tokens, 1 GB of them
+SERVE_DEFAULTS = dataclasses.replace(DEFAULTS, prefill_chunk=512, prefix_cache_mb=1024)
 EPILOG = """endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
 GET /v1/stats (JSON), GET /metrics (Prometheus), GET /health. Sampling is greedy unless a request sets
 temperature (OpenAI's default is 1); top_k, repetition_penalty and ignore_eos are accepted as extensions."""
@@ -22,7 +25,7 @@ temperature (OpenAI's default is 1); top_k, repetition_penalty and ignore_eos ar
 def add_args(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_engine_args(p)
+    add_engine_args(p, SERVE_DEFAULTS)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=os.environ.get("MOESTREAM_API_KEY"),
@@ -32,10 +35,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "more are answered 429 (default 64)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted (default 4096)")
     p.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body (default 1 MB)")
-    p.add_argument("--prefix-cache-mb", type=float, default=1024,
-                   help="host memory for prompt-prefix snapshots in decimal MB (default 1024; 0: off)")
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="prompt tokens per prefill forward; prefix-cache snapshots are taken every chunk (default 512)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -45,13 +44,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise MoestreamError(f"serve needs the server extra ({e.name} is missing): "
                              "pip install 'moestream[server]'") from None
-    for name in ("max_queue", "max_tokens_limit", "max_body_bytes", "prefill_chunk"):
+    for name in ("max_queue", "max_tokens_limit", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise MoestreamError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.prefix_cache_mb < 0:
-        raise MoestreamError("--prefix-cache-mb must be >= 0")
     sock = listen(args.host, args.port)
-    llm = open_llm(args, prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb)
+    llm = open_llm(args, SERVE_DEFAULTS)
     try:
         name = args.model_name or os.path.basename(os.path.normpath(args.store))
         settings = ServerSettings(model_name=name, api_key=args.api_key, max_queue=args.max_queue,

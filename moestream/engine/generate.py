@@ -67,19 +67,12 @@ def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, d
     return model.logits(hidden[-1:])[0]
 
 
-def eager_step(model: CausalLM, device: torch.device):
-    def step(token: int, state: SequenceState) -> torch.Tensor:
-        return model.logits(model(torch.tensor([token], device=device), state))[0]
-    return step
-
-
 @torch.inference_mode()
 def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-        logits: torch.Tensor | None = None, step=None, on_boundary=None) -> Iterator[Step]:
+        step, logits: torch.Tensor | None = None, on_boundary=None) -> Iterator[Step]:
     """Yield generated tokens; `logits` are the prompt's last logits when the caller already prefilled;
-    `step(token, state) -> logits` is the decode step (eager by default, a CUDA decoder on GPU);
-    `on_boundary(state)` sees the state at each prefill chunk boundary (the prefix cache keeps it)."""
-    step = step or eager_step(model, device)
+    `step(token, state) -> logits` is the decode step (engine/decode.py); `on_boundary(state)` sees the state at
+    each prefill chunk boundary (the prefix cache keeps it)."""
     p, t = seq.params, seq.timings
     sampler = Sampler(p, device)
     start = time.perf_counter()

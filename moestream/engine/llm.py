@@ -1,25 +1,29 @@
-"""The public engine API: `LLM(store, ...)` with `logits`, `generate`, `chat`, `stream` and `stats`.
+"""The public engine API: `LLM(store, config, **overrides)` with `logits`, `generate`, `chat`, `stream` and `stats`.
 
-Prompts are prefilled in chunks of `prefill_chunk` tokens cut at fixed positions; with `prefix_cache_mb`
-> 0 the states at those cuts are kept (engine/prefix_cache.py) and a prompt that repeats a cached prefix
-prefills only the rest, with the same output as an uncached run."""
+Every option is a field of `EngineConfig` (or of its `ExpertConfig`, named directly: `LLM(store, pool_gb=20)`).
+Prompts are prefilled in chunks of `prefill_chunk` tokens cut at fixed positions; with `prefix_cache_mb` > 0 the
+states at those cuts are kept (engine/prefix_cache.py) and a prompt that repeats a cached prefix prefills only the
+rest, with the same output as an uncached run. On CUDA the load ends by warming every kernel variant a request
+uses and capturing the decode graph, so the first request runs as fast as the tenth.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
 
-from moestream.config import EngineConfig, ExpertConfig
+from moestream.config import EngineConfig
 from moestream.engine import generate as gen
-from moestream.engine.decode import CudaDecoder, supports_static_decode
+from moestream.engine.decode import Decoder
 from moestream.engine.loader import load_model
 from moestream.engine.prefix_cache import PrefixCache
 from moestream.engine.stream import RequestOutput, TextStream
 from moestream.errors import MoestreamError
-from moestream.experts.format import precision_name
-from moestream.experts.provider import StreamingProvider
+from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
+from moestream.layers.context import StepContext
 from moestream.sampling import SamplingParams
 
 
@@ -28,59 +32,64 @@ def default_device() -> str:
 
 
 class LLM:
-    def __init__(self, store: str, device: str | None = None, dtype: str | None = None, pool_gb: float | None = None,
-                 host_gb: float = 0.0, experts: int = 4, decode_mode: str = "graph", preload: bool | None = None,
-                 max_context: int = 8192, prefill_chunk: int = 4096, prefix_cache_mb: float = 0.0,
-                 miss_experts: int | None = None, **expert_options):
-        device = device or default_device()
+    def __init__(self, store: str, config: EngineConfig | None = None, **overrides):
+        cfg = (config or EngineConfig()).with_overrides(**overrides)
+        device = cfg.device or default_device()
         if device == "cuda" and not torch.cuda.is_available():
             raise MoestreamError("--device cuda was asked for, but no CUDA device is available")
-        dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
-        try:
-            precision = precision_name(experts)
-            miss = precision_name(miss_experts) if miss_experts else None
-        except ValueError as e:
-            raise MoestreamError(str(e)) from None
-        if miss is not None and (precision != "q4" or miss not in ("q3", "q2")):
-            raise MoestreamError("--miss-experts takes 3 or 2, with --experts 4")
-        expert_cfg = ExpertConfig(precision=precision, pool_gb=pool_gb, host_gb=host_gb, miss_precision=miss,
-                                  **expert_options)
-        if expert_cfg.ring_slots < 1 or expert_cfg.ring_group < 1:
-            raise MoestreamError("need --ring >= 1 and --group >= 1")
-        if prefill_chunk < 1 or prefix_cache_mb < 0:
-            raise MoestreamError("need prefill_chunk >= 1 and prefix_cache_mb >= 0")
-        self.engine_config = EngineConfig(device=device, dtype=dtype, experts=expert_cfg, prefill_chunk=prefill_chunk)
-        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
         self.store = open_store(store)
-        for p in {precision, miss} - {None} - set(self.store.manifest.layouts):
-            if p in ("q3", "q2") and "q4" in self.store.manifest.layouts:  # built from Q4 on first use
-                from moestream.packer.lowbit import ensure_precision
-
-                ensure_precision(store, p)
-                self.store = open_store(store)
-            self.store.experts_path(p)  # refuses a precision the store lacks, before loading anything
+        dtype = cfg.dtype or ("bfloat16" if device == "cuda" else "float32")
+        cfg = dataclasses.replace(cfg, device=device, dtype=dtype, expert=self._precisions(store, cfg.expert))
+        self.engine_config, self.device, self.dtype = cfg, torch.device(device), getattr(torch, cfg.dtype)
         self.config = self.store.model  # the model (ModelConfig); engine options are in engine_config
         self.model = load_model(self.store, self.device, self.dtype)
-        self.provider = StreamingProvider(self.store, expert_cfg, self.device, self.config.num_experts_per_tok)
+        self.provider = ExpertProvider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok)
         blocks = self.model.moe_blocks()
         for block in blocks:
             block.provider = self.provider
         self.provider.attach({b.layer_slot: b.gate.weight for b in blocks})
+        self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype)
         self._tokenizer = None
-        self.decoder = None
-        if self.device.type == "cuda" and supports_static_decode(self.model):
-            self.decoder = CudaDecoder(self.model, self.provider, max_context, mode=decode_mode)
-        if preload if preload is not None else self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cfg.preload if cfg.preload is not None else cuda:
             from moestream.engine.progress import progress_bar
 
             with progress_bar("loading experts", self.provider.geometry.num_layers) as advance:
                 self.provider.preload(lambda done, total: advance(done))
-        self.prefix_cache = None
-        if prefix_cache_mb > 0:
-            self.prefix_cache = PrefixCache(int(prefix_cache_mb * 1e6), prefill_chunk, self.device)
+        if cfg.warm if cfg.warm is not None else cuda:
+            self.warm()
+        self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk) \
+            if cfg.prefix_cache_mb > 0 else None
 
-    def _step(self):
-        return self.decoder.step if self.decoder else None
+    def _precisions(self, path: str, expert):
+        """`expert` with its precision resolved (None: the store's, Q4 first), each one the store holds or, for
+        Q3/Q2, can build from Q4 on first use."""
+        held = self.store.manifest.layouts
+        precision = expert.precision or self.store.default_precision
+        expert = dataclasses.replace(expert, precision=precision)
+        for p in {precision, expert.miss_precision} - {None} - set(held):
+            if p in ("q3", "q2") and "q4" in held:
+                from moestream.packer.lowbit import ensure_precision
+
+                ensure_precision(path, p)
+                self.store = open_store(path)
+            self.store.experts_path(p)  # refuses a precision the store lacks, before loading anything
+        return expert
+
+    @torch.inference_mode()
+    def warm(self) -> None:
+        """Compile and run once every kernel a request uses (expert kernels on a scratch record, so nothing is
+        fetched or counted), and capture the decode graph."""
+        from moestream.engine.progress import status
+
+        with status("warming the kernels"):
+            top_k = self.config.num_experts_per_tok
+            rows = max(self.provider.cfg.prefill_min_rows, -(-257 // top_k))  # a full and a short last tile
+            for n in (1, rows):
+                state = self.model.new_state(self.dtype, self.device)
+                ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                self.model(ids, state, StepContext.eager(0, n, self.device, ExpertStep(scratch=True)))
+            self.decoder.warm()
 
     @property
     def tokenizer(self):
@@ -114,15 +123,16 @@ class LLM:
         params.validate()
         if not ids:
             raise MoestreamError("the prompt is empty")
-        cached, state = self.prefix_cache.restore(ids) if self.prefix_cache else (0, None)
-        seq = gen.Sequence(list(ids), params, state or self.model.new_state(self.dtype, self.device))
+        state = self.decoder.new_state()
+        cached = self.prefix_cache.restore(ids, state) if self.prefix_cache else 0
+        seq = gen.Sequence(list(ids), params, state)
         seq.timings.cached_tokens = cached
         return seq
 
     def _run(self, seq: gen.Sequence) -> Iterator[gen.Step]:
         keep = self.prefix_cache.insert if self.prefix_cache else None
         yield from gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
-                           step=self._step(), on_boundary=keep)
+                           self.decoder.step, on_boundary=keep)
 
     def generate(self, prompts: list, params: SamplingParams | None = None) -> list[RequestOutput]:
         """Prompts are strings (tokenized raw, no chat template) or lists of token ids."""
@@ -153,4 +163,3 @@ class LLM:
 
     def close(self) -> None:
         self.provider.close()
-

@@ -4,7 +4,8 @@ Contract (exactness): the engine always cuts a prompt's prefill at multiples of 
 the first token, and this cache stores `SequenceState.snapshot()`s taken only at those boundaries. A
 hit restores the deepest cached boundary that is a prefix of the new prompt and leaves at least one
 prompt token to compute, so the forwards that follow are exactly the ones an uncached run makes and
-the output does not depend on what was cached. Attention caches also get back the capacity they had
+the output does not depend on what was cached. A hit is copied into the new sequence's own state (the
+decoder's buffers, which its captured graph reads), and attention caches get back at least the capacity they had
 when the snapshot was taken (the CUDA decoder attends over the whole buffer, so its size must match).
 
 Keys are a chain hash of token blocks (block i's key covers tokens [0, (i+1) * chunk)); a hit is also
@@ -66,16 +67,16 @@ def _capacity(layer_state) -> int | None:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, chunk: int, device: torch.device):
-        self.budget_bytes, self.chunk, self.device = budget_bytes, chunk, device
+    def __init__(self, budget_bytes: int, chunk: int):
+        self.budget_bytes, self.chunk = budget_bytes, chunk
         self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self.lock = threading.Lock()
         self.bytes = 0
         self.counters = dict(lookups=0, hits=0, misses=0, cached_tokens=0, inserts=0, evictions=0, too_big=0)
 
-    def restore(self, ids: list[int]) -> tuple[int, SequenceState | None]:
-        """The deepest cached boundary b < len(ids) that is a prefix of `ids` -> (b, a fresh state at b),
-        or (0, None). The state is a copy: the cached snapshot stays untouched."""
+    def restore(self, ids: list[int], state: SequenceState) -> int:
+        """Load into the new sequence's `state` the deepest cached boundary b < len(ids) that is a prefix of `ids`;
+        returns b (0: nothing cached). The cached snapshot stays untouched."""
         keys = block_keys(ids, self.chunk, (len(ids) - 1) // self.chunk)
         with self.lock:
             self.counters["lookups"] += 1
@@ -89,13 +90,12 @@ class PrefixCache:
                     break
             else:
                 self.counters["misses"] += 1
-                return 0, None
-        state = entry.state.snapshot()
-        _tensors(state, lambda t: t.to(self.device))
+                return 0
+        state.load(entry.state)
         for layer_state, capacity in zip(state.layers, entry.capacities):
             if capacity is not None:
                 layer_state.reserve(capacity)
-        return boundary, state
+        return boundary
 
     def insert(self, state: SequenceState) -> None:
         """Called by prefill at each boundary: keep a snapshot of `state` unless one is cached already."""

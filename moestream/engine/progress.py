@@ -1,5 +1,5 @@
-"""Progress for long engine work at load time (preloading records, deriving low-bit stores): a rich bar
-on stderr when it is a terminal, else nothing."""
+"""Progress for long engine work at load time (preloading records, deriving low-bit stores, warming kernels): a
+rich bar or spinner on stderr when it is a terminal, else nothing."""
 
 from __future__ import annotations
 
@@ -20,3 +20,15 @@ def progress_bar(description: str, total: int):
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda done: bar.update(task, completed=done)
+
+
+@contextlib.contextmanager
+def status(description: str):
+    """A spinner with `description` while the block runs."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(description):
+        yield

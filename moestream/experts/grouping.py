@@ -1,5 +1,6 @@
 """Grouping a step's (row, k) routing entries by expert: the CSR that both the residency decisions and
-the expert kernels read. Stable, so each expert's rows keep their order whatever is resident."""
+the expert kernels read. Stable, so each expert's rows keep their order whatever is resident. And the two kinds
+of parts the provider hands the expert kernels: batches of records in slots, or a layer's records by address."""
 
 from __future__ import annotations
 
@@ -51,3 +52,14 @@ def batch_of(grouping: Grouping, index: list[int], buffer: torch.Tensor, layout:
     """The sub-batch of `grouping` made of experts at positions `index`, with their slots."""
     spans = [(grouping.offsets[j], grouping.offsets[j + 1]) for j in index]
     return ExpertBatch(buffer, layout, [grouping.experts[j] for j in index], slots, spans, grouping.order)
+
+
+@dataclass(frozen=True)
+class AddressedExperts:
+    """Routing entry e reads the record at `table[ids[e]]` (a layer's addresses by expert id; ids [T * top_k]);
+    mixed mode, `low_bit`: (the miss layout, the layer's record bits by expert id)."""
+
+    table: torch.Tensor
+    ids: torch.Tensor
+    layout: RecordLayout
+    low_bit: tuple | None

@@ -1,134 +1,106 @@
-"""The prefill ring (the seed, DESIGN.md section 3), mixed into StreamingProvider.
+"""The prefill ring's executor: runs a layer's `RingPlan` (ring_plan.py) on the pool and the fetcher.
 
-Per layer the chunk's most used experts, up to the layer's pool share, go to the pool and stay for decode;
-the rest stream through `ring_slots` device slots in batches of `ring_group`, each batch's copies sharing one
-event that the compute stream waits on (fetched[b]), and each ring slot refilled only after the compute event of
-the batch that last read it (done[b]). Across layers (`ring_lookahead`), a long prompt's next layer needs all its
-non-resident records, so their fetches start as soon as this layer's batches are enqueued (`_speculate`); a guess
-that turns out wrong costs a copy, never a result, as every slot still holds the record its batch asks for.
+Each batch's fetches go out together, sharing one copy event that the compute stream waits on (the seed's
+fetched[b]); a batch's fetches start once the batch its ring slots wait for is done (its gate, done[b]). Once a
+layer's batches are all enqueued, a long prompt's next layer needs every record it has not kept, so their
+fetches start at once (`speculate`): a `RingAhead` that the next layer's step takes. A wrong guess costs a copy,
+never a result, as every slot still holds the record its batch asks for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
+from dataclasses import dataclass
 
 from moestream.experts.grouping import ExpertBatch, Grouping, batch_of
+from moestream.experts.residency import Residency
+from moestream.experts.ring_plan import plan_ring
+
+
+@dataclass(frozen=True)
+class RingAhead:
+    """Fetches started for `layer`'s ring before its step: ring position -> (record id, future)."""
+
+    layer: int
+    fetches: dict[int, tuple]
 
 
 class RingPath:
-    """Uses the provider's pool, fetcher, stats, profiler and `_lookup` / `_fetch` / `_wait` / `_done`."""
+    def __init__(self, residency: Residency, ring_group: int, lookahead: bool):
+        self.res, self.lookahead = residency, lookahead
+        self.group = min(ring_group, residency.pool.ring_slots)  # a batch's copies go out together: one a slot
 
-    _speculated: tuple[int, dict] | None = None  # (layer, {ring position: (record id, future)})
-
-    @property
-    def _batch_size(self) -> int:
-        """Experts per ring batch: a batch's copies go out together, so at most one per ring slot."""
-        return min(self.cfg.ring_group, self.pool.ring_slots)
-
-    def _ring_path(self, layer: int, g: Grouping, speculated: dict) -> Iterator[ExpertBatch]:
-        """`speculated`: {ring position: (record id, future)} fetched for this layer by `_speculate`."""
-        self.stats.at(layer, self.cfg.precision).prefill_steps += 1
-        prof = self.profiler.begin(layer)
-        share = self.pool.num_slots // self.geometry.num_layers
-        ranked = sorted(range(len(g.experts)), key=lambda j: -g.counts[j])  # stable: ties keep expert order
-        keep = set(ranked[:share])
-        rids = [self.geometry.rid(layer, e) for e in g.experts]
-        slots = [self._lookup(layer, rid) for rid in rids]  # first every hit, pinned before any fill evicts
-        waits = [self.pool.pending[s] if s is not None else None for s in slots]
-        # The layer keeps up to `share` records: fills take the slots of its residents unused by this step
-        # first, then free slots or those of layers above their share, so no fill leaves a layer short.
+    def batches(self, layer: int, g: Grouping, ahead: RingAhead | None) -> Generator[ExpertBatch, None, RingAhead]:
+        """Yields the layer's batches; returns the fetches started early for the next layer (or None)."""
+        res, pool, geometry = self.res, self.res.pool, self.res.geometry
+        res.stats.at(layer, res.base).prefill_steps += 1
+        prof = res.profiler.begin(layer)
+        rids = [geometry.rid(layer, e) for e in g.experts]
+        hits = [res.lookup(layer, rid) for rid in rids]  # every hit first, pinned before any fill evicts
+        waits = [pool.pending[s] if s is not None else None for s in hits]
         used, idle = set(g.experts), []
-        for e in range(self.geometry.num_experts):
-            slot = None if e in used else self.pool.slot_of.get(self.geometry.rid(layer, e))
+        for e in range(geometry.num_experts):
+            slot = None if e in used else pool.slot_of.get(geometry.rid(layer, e))
             if slot is not None:
                 idle.append(slot)
-        room = share - len(idle) - sum(s is not None for s in slots)
-        spare = self.pool.spare(layer, share, self.geometry.num_experts) if room > 0 else []
-        fills, ring_jobs = [], []  # (expert index, rid, slot)
-        for j, rid in enumerate(rids):
-            if slots[j] is not None:
-                continue
-            slot = None
-            if j in keep and idle:  # fills the pool (base precision) and stays for decode
-                slot = self.pool.allocate(rid, idle.pop())
-            elif j in keep and room > 0 and spare:
-                slot = self.pool.allocate(rid, spare.pop(0))
-                room -= 1
-            if slot is not None:
-                self.pool.pin(slot)
-                fills.append((j, rid, slot))
-            else:
-                slot = self.pool.ring_slot(len(ring_jobs))
-                ring_jobs.append((j, rid, slot))
-            slots[j] = slot
-        # Residents already in place compute first, in one batch, while the copies stream; the rest follow
-        # in expert order, `ring_group` at a time (a batch's composition never changes a row's arithmetic).
-        fetched = {j for j, _, _ in fills + ring_jobs}
-        present = [j for j, w in enumerate(waits) if j not in fetched and (w is None or w.done())]
-        rest = sorted(set(range(len(slots))) - set(present))
-        group, ring = self._batch_size, self.pool.ring_slots
-        batches = ([present] if present else []) + [rest[i: i + group] for i in range(0, len(rest), group)]
-        batch_of_job = {j: b for b, idx in enumerate(batches) for j in idx}
-        # Each batch's fetches go out together (one copy event a batch: the seed's fetched[b]). A ring job
-        # reuses the slot of ring job r - RING, so its batch may start once that job's batch is done.
-        fills_of, ring_of, gate = [[] for _ in batches], [[] for _ in batches], [-1] * len(batches)
-        for j, rid, slot in fills:
-            fills_of[batch_of_job[j]].append((j, rid, slot))
-        for r, (j, rid, slot) in enumerate(ring_jobs):
-            guess = speculated.get(r)
-            if guess is not None and guess[0] == rid:  # already on its way into this very slot
-                waits[j] = guess[1]
-                self.stats.at(layer, self.miss_precision).prefetch_used += 1
-                continue
-            b = batch_of_job[j]
-            ring_of[b].append((j, rid, slot))
-            gate[b] = max(gate[b], batch_of_job[ring_jobs[r - ring][0]] if r >= ring else -1)
+        share = pool.num_slots // geometry.num_layers
+        room = share - len(idle) - sum(s is not None for s in hits)
+        spare = pool.spare(layer, share, geometry.num_experts) if room > 0 else []
+        guesses = ahead.fetches if ahead is not None and ahead.layer == layer else {}
+        plan = plan_ring(g.counts, rids, hits, [w is None or w.done() for w in waits], idle, spare, room, share,
+                         pool.ring_slot(0), pool.ring_slots, self.group, {r: rid for r, (rid, _) in guesses.items()})
+        for j in plan.fills:  # fills the pool (base precision) and stays for decode
+            pool.allocate(rids[j], plan.slots[j])
+            pool.pin(plan.slots[j])
+        for j, r in plan.taken.items():
+            waits[j] = guesses[r][1]
+            res.stats.at(layer, res.miss).prefetch_used += 1
         submitted = 0
 
         def submit_ready(done_batch: int) -> None:
             nonlocal submitted
-            while submitted < len(batches) and gate[submitted] <= done_batch:
-                fills = {}
-                for job in fills_of[submitted]:
-                    fills.setdefault(self._fill_precision(job[1]), []).append(job)
-                for jobs, precision, is_ring in ([(jobs, p, False) for p, jobs in fills.items()]
-                                                 + [(ring_of[submitted], self.miss_precision, True)]):
-                    items = [(rid, slot) for _, rid, slot in jobs]
-                    for (j, _, _), f in zip(jobs, self._fetch(layer, items, precision, ring=is_ring) if jobs else ()):
-                        waits[j] = f
+            while submitted < len(plan.batches) and plan.gates[submitted] <= done_batch:
+                fills, ring = plan.fetches[submitted]
+                by_precision = {}
+                for j in fills:
+                    by_precision.setdefault(res.fill_precision(rids[j]), []).append(j)
+                for jobs, precision, is_ring in ([(jobs, p, False) for p, jobs in by_precision.items()]
+                                                 + [(ring, res.miss, True)]):
+                    items = [(rids[j], plan.slots[j]) for j in jobs]
+                    for j, future in zip(jobs, res.fetch(layer, items, precision, ring=is_ring) if jobs else ()):
+                        waits[j] = future
                 submitted += 1
 
         submit_ready(-1)
-        for b, idx in enumerate(batches):
-            for precision, part in self._by_precision([(j, slots[j], waits[j]) for j in idx]):
-                self._wait(layer, [s for _, s, _ in part], [w for _, _, w in part])
-                begin = self.profiler.mark()
-                yield batch_of(g, [j for j, _, _ in part], self.pool.buffer, self.layouts[precision],
+        for b, idx in enumerate(plan.batches):
+            for precision, part in res.by_precision([(j, plan.slots[j], waits[j]) for j in idx]):
+                res.wait(layer, [s for _, s, _ in part], [w for _, _, w in part])
+                begin = res.profiler.mark()
+                yield batch_of(g, [j for j, _, _ in part], pool.buffer, res.layouts[precision],
                                [s for _, s, _ in part])
                 if prof is not None:
-                    prof["compute"].append((begin, self.profiler.mark()))
-            self._done([slots[j] for j in idx])
+                    prof["compute"].append((begin, res.profiler.mark()))
+            res.done([plan.slots[j] for j in idx])
             submit_ready(b)
-        self.profiler.end(prof)
-        self._speculate(layer + 1, len(g.order))
+        res.profiler.end(prof)
+        return self.speculate(layer + 1, len(g.order))
 
-    def _speculate(self, layer: int, entries: int) -> None:
-        """Once a layer's batches are all enqueued every ring slot's last reader is known, so the next layer's
-        first RING ring fetches can start, to overlap this layer's tail and the next attention. A step of
-        `entries` >= 8 per expert uses every expert (an expert is missed with odds e**-8), and a layer holding
-        its pool share makes no pool fills, so its ring asks for its non-resident records in expert order."""
-        g, self._speculated = self.geometry, None
-        if not self.cfg.ring_lookahead or layer >= g.num_layers or entries < 8 * g.num_experts:
-            return
-        missing = [rid for rid in (g.rid(layer, e) for e in range(g.num_experts)) if rid not in self.pool.slot_of]
-        if g.num_experts - len(missing) < self.pool.num_slots // g.num_layers:
-            return
-        items = [(rid, self.pool.ring_slot(r)) for r, rid in enumerate(missing[: self.pool.ring_slots])]
-        if items:
-            # a fetch call's copies share one ready event: one call a ring batch, so the next layer's first batch
-            # waits for its own copies, not for all RING of them
-            group = self._batch_size
-            futures = [f for i in range(0, len(items), group)
-                       for f in self._fetch(layer, items[i: i + group], self.miss_precision, ring=True, early=True)]
-            self._speculated = (layer, {r: (rid, f) for r, ((rid, _), f) in enumerate(zip(items, futures))})
-            self.stats.at(layer, self.miss_precision).prefetch_issued += len(items)
+    def speculate(self, layer: int, entries: int) -> RingAhead | None:
+        """The next layer's first RING ring fetches, started now to overlap this layer's tail and the next
+        attention. A step of `entries` >= 8 per expert uses every expert (one is missed with odds e**-8), and a
+        layer holding its pool share makes no pool fills, so its ring asks for its non-resident records in order."""
+        res, g, pool = self.res, self.res.geometry, self.res.pool
+        if not self.lookahead or layer >= g.num_layers or entries < 8 * g.num_experts:
+            return None
+        missing = [rid for rid in (g.rid(layer, e) for e in range(g.num_experts)) if rid not in pool.slot_of]
+        if g.num_experts - len(missing) < pool.num_slots // g.num_layers:
+            return None
+        items = [(rid, pool.ring_slot(r)) for r, rid in enumerate(missing[: pool.ring_slots])]
+        if not items:
+            return None
+        # a fetch call's copies share one ready event: one call a ring batch, so the next layer's first batch
+        # waits for its own copies, not for all RING of them
+        futures = [f for i in range(0, len(items), self.group)
+                   for f in res.fetch(layer, items[i: i + self.group], res.miss, ring=True, early=True)]
+        res.stats.at(layer, res.miss).prefetch_issued += len(items)
+        return RingAhead(layer, {r: (rid, f) for r, ((rid, _), f) in enumerate(zip(items, futures))})

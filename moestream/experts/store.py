@@ -39,6 +39,12 @@ class Store:
     def dense_path(self) -> str:
         return os.path.join(self.path, DENSE_FILE)
 
+    @property
+    def default_precision(self) -> str:
+        """The expert precision a run uses unless told: Q4 when the store has it, else the one it holds."""
+        held = self.manifest.layouts
+        return "q4" if "q4" in held else next(iter(held))
+
     def experts_path(self, precision: str) -> str:
         if precision not in self.manifest.layouts:
             have = ", ".join(self.manifest.layouts)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.experts.format import RecordLayout
+from moestream.experts.grouping import AddressedExperts
 from moestream.kernels.launch import dependent, options
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "expert_mlp.json")
@@ -277,15 +278,14 @@ def _identity(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
-def per_entry(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, layout: RecordLayout, top_k: int,
-              out: torch.Tensor, low_bit: tuple[RecordLayout, torch.Tensor] | None = None) -> None:
-    """Graph mode: routing entry e = row * top_k + k reads the record at `table[ids[e]]` (a layer's device
-    table of record addresses by expert id), so a decode step needs no host decision. Mixed mode, `low_bit`:
-    the miss layout and the layer's record bits by expert id; each precision's entries in a launch of its own."""
-    entries = _identity(ids.shape[0], x.device)
-    if low_bit is None:
-        launch_decode(x, out, entries, table, layout, top_k, records=ids)
+def per_entry(x: torch.Tensor, part: AddressedExperts, top_k: int, out: torch.Tensor) -> None:
+    """Routing entry e = row * top_k + k reads the record at `part.table[part.ids[e]]` (a layer's device addresses
+    by expert id), so a decode step needs no host decision. Mixed mode (`part.low_bit`: the miss layout and the
+    layer's record bits by expert id): each precision's entries in a launch of its own."""
+    entries = _identity(part.ids.shape[0], x.device)
+    if part.low_bit is None:
+        launch_decode(x, out, entries, part.table, part.layout, top_k, records=part.ids)
         return
-    miss_layout, record_bits = low_bit
-    for each in (layout, miss_layout):
-        launch_decode(x, out, entries, table, each, top_k, records=ids, record_bits=record_bits)
+    miss_layout, record_bits = part.low_bit
+    for each in (part.layout, miss_layout):
+        launch_decode(x, out, entries, part.table, each, top_k, records=part.ids, record_bits=record_bits)

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from moestream.experts.format import RecordLayout
+from moestream.experts.grouping import AddressedExperts, ExpertBatch
 from moestream.kernels import reference
 
 DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config
@@ -103,22 +103,18 @@ def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype,
     return weights, ids_out.view(ids.shape).copy_(ids)
 
 
-def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
-                 spans: list[tuple[int, int]], order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
-    """Unweighted outputs of experts `slots` over their routing entries order[a:b] (`spans`) into `out`
-    [T * top_k, H]."""
-    if use_triton(x.device):
+def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts, top_k: int, out: torch.Tensor) -> None:
+    """Unweighted outputs of the routing entries a provider part covers, into `out` [T * top_k, H] (entry
+    e = row * top_k + k): a batch's experts over their entries order[a:b] (`spans`), records in buffer slots; or
+    every entry with its record at `table[ids[e]]` (a layer's device addresses by expert id; CUDA only)."""
+    if isinstance(part, AddressedExperts):
         from moestream.kernels import expert_mlp
 
-        expert_mlp.grouped(x, buffer, slots, layout, spans, order, top_k, out, expert_phase(x.shape[0]))
+        expert_mlp.per_entry(x, part, top_k, out)
+    elif use_triton(x.device):
+        from moestream.kernels import expert_mlp
+
+        expert_mlp.grouped(x, part.buffer, part.slots, part.layout, part.spans, part.order, top_k, out,
+                           expert_phase(x.shape[0]))
     else:
-        reference.expert_group(x, buffer, slots, layout, spans, order, top_k, out)
-
-
-def expert_entries(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, layout: RecordLayout, top_k: int,
-                   out: torch.Tensor, low_bit: tuple[RecordLayout, torch.Tensor] | None = None) -> None:
-    """Routing entry e = row * top_k + k computed with the record at device address `table[ids[e]]`; mixed
-    mode, `low_bit`: (the miss layout, each expert's record bits), for the records held at the miss precision."""
-    from moestream.kernels import expert_mlp
-
-    expert_mlp.per_entry(x, table, ids, layout, top_k, out, low_bit)
+        reference.expert_group(x, part.buffer, part.slots, part.layout, part.spans, part.order, top_k, out)

@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moestream.config import ModelConfig
 from moestream.kernels import ops
+from moestream.layers.context import StepContext
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import apply_rotary
 
@@ -33,13 +34,27 @@ class KVCache:
             self.v = torch.cat([self.v, self.v.new_zeros(extra, *self.v.shape[1:])])
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v [T, kv_heads, head_dim] after the first `length` rows; returns every row up to them. The
+        length moves on with the sequence (`advance`)."""
         end = self.length + k.shape[0]
         if end > self.k.shape[0]:
             self.reserve(max(end, 2 * self.k.shape[0]))
         self.k[self.length: end] = k
         self.v[self.length: end] = v
-        self.length = end
         return self.k[:end], self.v[:end]
+
+    def advance(self, rows: int) -> None:
+        self.length += rows
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def load(self, other: KVCache) -> None:
+        """Become `other` (a snapshot, perhaps on the host) in place: a captured graph keeps these buffers."""
+        self.reserve(other.length)
+        self.k[: other.length].copy_(other.k[: other.length])
+        self.v[: other.length].copy_(other.v[: other.length])
+        self.length = other.length
 
     def snapshot(self) -> KVCache:
         out = KVCache.__new__(KVCache)
@@ -130,19 +145,21 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(gate)
         return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                ctx: StepContext) -> torch.Tensor:
+        if ctx.static:
+            return self._static(x, rope, ctx.positions, cache)
         q, k, v, gate = self.project(x, rope)
         keys, values = cache.append(k, v)
         return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)
 
-
-def decode_attention(attn: Attention, x: torch.Tensor, rope, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """One token at device-side `position` [1] over the cache buffer's rows 0..position, so the shapes never
-    change and the step can be captured in a CUDA graph. The caller advances `cache.length`."""
-    qkv = attn.qkv(x)
-    norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.q_norm.zero_centered) if attn.qk_norm \
-        else (None, None, 0.0, False)
-    q = ops.qk_norm_rope_cache(qkv, attn.heads, attn.kv_heads, attn.head_dim, *norms, *rope, cache.k, cache.v,
-                               position)
-    out = ops.decode_attention(q, cache.k, cache.v, position, attn.head_dim ** -0.5)
-    return attn.finish(out, attn.gate_of(qkv))
+    def _static(self, x: torch.Tensor, rope, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token at device-side `position` [1] over the reserved cache's rows 0..position, so the shapes
+        never change and the step can be captured in a CUDA graph."""
+        qkv = self.qkv(x)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered) \
+            if self.qk_norm else (None, None, 0.0, False)
+        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *norms, *rope, cache.k, cache.v,
+                                   position)
+        out = ops.decode_attention(q, cache.k, cache.v, position, self.head_dim ** -0.5)
+        return self.finish(out, self.gate_of(qkv))

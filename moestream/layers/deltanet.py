@@ -25,6 +25,17 @@ class DeltaNetState:
     def snapshot(self) -> DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
 
+    def advance(self, rows: int) -> None:
+        pass  # updated in place by the forward
+
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.recurrent.zero_()
+
+    def load(self, other: DeltaNetState) -> None:
+        self.conv.copy_(other.conv)
+        self.recurrent.copy_(other.recurrent)
+
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, fused_qkvz: bool, gate_activation: str = "silu"):

@@ -14,5 +14,5 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:  # ctx: a step context, as SparseMoE takes
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,5 +1,5 @@
-"""The sparse MoE block: route, ask the expert provider for batches of resident experts, compute each
-batch, then combine every token's top-k outputs in k order (so nothing depends on residency)."""
+"""The sparse MoE block: route, ask the expert provider where the step's records are (one call: the parts the
+kernels compute), then combine every token's top-k outputs in k order (so nothing depends on residency)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from torch import nn
 
 from moestream.config import ModelConfig
 from moestream.kernels import ops
+from moestream.layers.context import StepContext
 from moestream.layers.mlp import MLP
 
 
@@ -22,24 +23,15 @@ class SparseMoE(nn.Module):
         self.has_shared = shared_expert
         self.provider = None  # set by the engine: the one seam to the expert subsystem
 
-    def forward(self, x: torch.Tensor, addresses: torch.Tensor | None = None,
-                routed: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]. With `addresses` ([num_experts] int64 record addresses on the device) the
-        experts are read in place with no host decision (a CUDA-graph decode step), and the routing writes their
-        ids to `routed` [T * top_k] for the counters; else through the provider's batches."""
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """x [T, H] -> [T, H]. The routers' ids land in `ctx.experts.routed` when the step counts them later."""
         t, h = x.shape
+        routed = ctx.experts.routed
         weights, ids = ops.route(ops.linear(x, self.gate.weight), self.top_k, self.normalise, x.dtype,
-                                 routed if addresses is not None else None)
+                                 routed[self.layer_slot] if routed is not None else None)
         y = x.new_empty(t * self.top_k, h)
-        if addresses is not None:
-            ops.expert_entries(x, addresses, ids.reshape(-1), self.provider.layout, self.top_k, y,
-                               self.provider.addressed_low_bit(self.layer_slot))
-        elif (table := self.provider.in_place_table(self.layer_slot, t)) is not None:
-            counts = ops.expert_group_in_place(x, table, ids, self.provider.layout, self.top_k, y)
-            self.provider.count_in_place(self.layer_slot, counts)
-        else:
-            for b in self.provider.batches(self.layer_slot, ids, x):
-                ops.expert_group(x, b.buffer, b.slots, b.layout, b.spans, b.order, self.top_k, y)
+        for part in self.provider.parts(self.layer_slot, ids, x, ctx.experts):
+            ops.expert_part(x, part, self.top_k, y)
         out = ops.combine_topk(y.view(t, self.top_k, h), weights)
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -33,6 +33,10 @@ class PLEState:
     def snapshot(self) -> PLEState:
         return PLEState(self.context.clone(), self.conv.clone())
 
+    def load(self, other: PLEState) -> None:
+        # copies: the forward replaces these tensors, and a cached snapshot must never change
+        self.context, self.conv = other.context.to(self.context.device).clone(), other.conv.to(self.conv.device).clone()
+
 
 def shift_within_segments(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
     """history [L] ids -> [L]: the id `shift` places back, or EOS where that crosses an EOS or the start."""
@@ -85,6 +89,8 @@ class NgramEmbedding(nn.Module):
 
 
 class PLE(nn.Module):
+    graph_safe = False  # its n-gram rows are read on the host, token by token
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.streams, self.hidden = cfg.hc_count, cfg.hidden_size

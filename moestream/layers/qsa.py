@@ -22,6 +22,7 @@ from torch import nn
 
 from moestream.config import ModelConfig
 from moestream.layers.attention import Attention, KVCache, causal_attention
+from moestream.layers.context import StepContext
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import Rotary, apply_rotary
 
@@ -47,6 +48,12 @@ class QSACache(KVCache):
         self.block_keys[self.num_blocks: end] = keys
         self.num_blocks = end
         return self.block_keys[:end]
+
+    def load(self, other: QSACache) -> None:
+        super().load(other)
+        self.num_blocks = 0
+        self.add_blocks(other.block_keys[: other.num_blocks].to(self.block_keys.device))
+        self.pending = other.pending.to(self.pending.device).clone()
 
     def snapshot(self) -> QSACache:
         out = QSACache.__new__(QSACache)
@@ -109,7 +116,10 @@ class Indexer(nn.Module):
 
 
 class IndexedAttention(Attention):
-    """Gated attention (zero-centred q/k norms) whose queries see only the tokens the indexer selects."""
+    """Gated attention (zero-centred q/k norms) whose queries see only the tokens the indexer selects. Its block
+    selection has no static form yet, so a step through it is not captured."""
+
+    graph_safe = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, qk_norm=True, output_gate=True, zero_centered=True)
@@ -118,7 +128,8 @@ class IndexedAttention(Attention):
     def new_state(self, dtype: torch.dtype, device: torch.device) -> QSACache:
         return QSACache(self.kv_heads, self.head_dim, self.indexer.dim, dtype, device)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: QSACache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: QSACache,
+                ctx: StepContext) -> torch.Tensor:
         t, start = x.shape[0], cache.length
         index_q, blocks = self.indexer(x, rope, cache)
         q, k, v, gate = self.project(x, rope)

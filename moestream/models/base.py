@@ -1,7 +1,9 @@
 """The decoder shared by every Qwen MoE type, configured by a small spec per model type.
 
 Module names follow the checkpoints (`model.layers.N.self_attn.q_proj`, `mlp.gate`, `lm_head`), so the
-store's dense tensors load by name. A forward takes token ids and a `SequenceState` and advances it.
+store's dense tensors load by name. `CausalLM.forward` is the one per-layer loop: what prefill runs, what a
+decode step runs and what a CUDA graph captures. A backbone says how the residual is carried between layers
+(one stream with each add done in the next norm's launch; qwen4_exp: hyper-connection streams).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from moestream.config import ModelConfig
 from moestream.layers.attention import Attention
+from moestream.layers.context import StepContext
 from moestream.layers.deltanet import GatedDeltaNet
 from moestream.layers.mlp import MLP
 from moestream.layers.moe import SparseMoE
@@ -32,7 +35,7 @@ class ModelSpec:
 
 @dataclass
 class SequenceState:
-    """Everything a sequence carries between forwards: per-layer caches and the token count."""
+    """Everything a sequence carries between forwards: per-layer caches and the tokens so far."""
 
     layers: list
     length: int = 0
@@ -40,6 +43,19 @@ class SequenceState:
 
     def snapshot(self) -> SequenceState:
         return SequenceState([s.snapshot() for s in self.layers], self.length, list(self.tokens))
+
+    def load(self, other: SequenceState) -> None:
+        """Become `other` (a snapshot, perhaps on the host), copying into this state's own buffers."""
+        for s, o in zip(self.layers, other.layers):
+            s.load(o)
+        self.length, self.tokens = other.length, list(other.tokens)
+
+    def advance(self, tokens: list[int]) -> None:
+        """The step that wrote these tokens' caches is done: they are part of the sequence now."""
+        for s in self.layers:
+            s.advance(len(tokens))
+        self.length += len(tokens)
+        self.tokens.extend(tokens)
 
 
 class DecoderLayer(nn.Module):
@@ -61,14 +77,20 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.kind == "linear_attention" else self.self_attn
 
-    def mix(self, x: torch.Tensor, rope, state) -> torch.Tensor:
+    def new_state(self, dtype: torch.dtype, device: torch.device):
+        return self.mixer.new_state(dtype, device)
+
+    def mix(self, x: torch.Tensor, rope, state, ctx: StepContext) -> torch.Tensor:
         if self.kind == "linear_attention":
             return self.linear_attn(x, state)
-        return self.self_attn(x, rope, state)
+        return self.self_attn(x, rope, state, ctx)
 
-    def forward(self, x: torch.Tensor, rope, state) -> torch.Tensor:
-        x = x + self.mix(self.input_layernorm(x), rope, state)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual: tuple, ids: torch.Tensor, rope, state, ctx: StepContext) -> tuple:
+        """residual (x [T, H], the last block's output not yet added to it, or None) -> the same after this layer;
+        each add runs in the launch of the norm after it."""
+        x, h = self.input_layernorm.after(*residual)
+        x, h = self.post_attention_layernorm.after(x, self.mix(h, rope, state, ctx))
+        return x, self.mlp(h, ctx)
 
 
 class Backbone(nn.Module):
@@ -78,6 +100,12 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec, i, slots.get(i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.zero_centered_norms)
+
+    def begin(self, x: torch.Tensor) -> tuple:
+        return x, None
+
+    def end(self, residual: tuple) -> torch.Tensor:
+        return self.norm.after(*residual)[1]
 
 
 class CausalLM(nn.Module):
@@ -94,19 +122,28 @@ class CausalLM(nn.Module):
     def moe_blocks(self) -> list[SparseMoE]:
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
 
-    def new_state(self, dtype: torch.dtype, device: torch.device) -> SequenceState:
-        return SequenceState([layer.mixer.new_state(dtype, device) for layer in self.model.layers])
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step can run with static shapes (and be captured): no layer says it cannot."""
+        return all(getattr(m, "graph_safe", True) for m in self.modules() if m is not self)
 
-    def forward(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """ids [T] -> final hidden states [T, H]; appends to `state`."""
+    def new_state(self, dtype: torch.dtype, device: torch.device) -> SequenceState:
+        return SequenceState([layer.new_state(dtype, device) for layer in self.model.layers])
+
+    def forward(self, ids: torch.Tensor, state: SequenceState, ctx: StepContext | None = None) -> torch.Tensor:
+        """ids [T] -> final hidden states [T, H]; writes the step's caches into `state`. Without `ctx`, an eager
+        step after the state's tokens, which then advances the state; with one (the engine's steps, which a
+        graph may replay), the caller advances it."""
+        eager = ctx is None
+        ctx = ctx or StepContext.eager(state.length, ids.shape[0], ids.device)
         x = self.model.embed_tokens(ids)
-        positions = torch.arange(state.length, state.length + ids.shape[0], device=ids.device)
-        rope = self.rotary.cos_sin(positions, x.dtype)
+        rope = self.rotary.cos_sin(ctx.positions, x.dtype)
+        residual = self.model.begin(x)
         for layer, layer_state in zip(self.model.layers, state.layers):
-            x = layer(x, rope, layer_state)
-        state.length += ids.shape[0]
-        state.tokens.extend(ids.tolist())
-        return self.model.norm(x)
+            residual = layer(residual, ids, rope, layer_state, ctx)
+        if eager:
+            state.advance(ids.tolist())
+        return self.model.end(residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -7,7 +7,8 @@
 - QSA indexed sparse attention on the attention layers when the indexer fields are set (layers/qsa.py).
 
 Every norm is zero-centred `(1 + w)` except the DeltaNet output norm, whose gate is `output_gate_type`.
-A PLE layer's state is a `PLELayerState` (mixer state + PLE state); other layers keep their mixer's.
+A PLE layer's state is a `PLELayerState` (mixer state + PLE state); other layers keep their mixer's. The
+per-layer loop is `CausalLM.forward`'s; the backbone carries the streams.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from torch import nn
 
 from moestream.config import ModelConfig
 from moestream.layers.attention import Attention
+from moestream.layers.context import StepContext
 from moestream.layers.deltanet import DeltaNetState, GatedDeltaNet
 from moestream.layers.hyper import HyperConnection
 from moestream.layers.moe import SparseMoE
 from moestream.layers.ple import PLE, PLEState
 from moestream.layers.qsa import IndexedAttention
-from moestream.models.base import CausalLM, ModelSpec, SequenceState
+from moestream.models.base import CausalLM, ModelSpec
 
 
 @dataclass
@@ -34,6 +36,13 @@ class PLELayerState:
 
     def snapshot(self) -> PLELayerState:
         return PLELayerState(self.mixer.snapshot(), self.ple.snapshot())
+
+    def load(self, other: PLELayerState) -> None:
+        self.mixer.load(other.mixer)
+        self.ple.load(other.ple)
+
+    def advance(self, rows: int) -> None:
+        self.mixer.advance(rows)  # the PLE state moves on in the forward (never captured)
 
 
 class HyperDecoderLayer(nn.Module):
@@ -59,16 +68,16 @@ class HyperDecoderLayer(nn.Module):
         state = self.mixer.new_state(dtype, device)
         return state if self.ple is None else PLELayerState(state, self.ple.new_state(dtype, device))
 
-    def forward(self, streams: torch.Tensor, ids: torch.Tensor, rope, state) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, ids: torch.Tensor, rope, state, ctx: StepContext) -> torch.Tensor:
         """streams [T, hc * H], ids [T] -> streams [T, hc * H]."""
         if self.ple is not None:
             streams = streams + self.ple(streams, ids, state.ple)
             state = state.mixer
         x, weights = self.attn_hyper_connection(streams)
-        out = self.linear_attn(x, state) if self.kind == "linear_attention" else self.self_attn(x, rope, state)
+        out = self.linear_attn(x, state) if self.kind == "linear_attention" else self.self_attn(x, rope, state, ctx)
         streams = HyperConnection.inject(streams, out, weights)
         x, weights = self.mlp_hyper_connection(streams)
-        return HyperConnection.inject(streams, self.mlp(x), weights)
+        return HyperConnection.inject(streams, self.mlp(x, ctx), weights)
 
 
 class HyperBackbone(nn.Module):
@@ -78,23 +87,15 @@ class HyperBackbone(nn.Module):
         # every layer is MoE (config.py refuses dense layers), so the record slot is the layer index
         self.layers = nn.ModuleList(HyperDecoderLayer(cfg, i, i) for i in range(cfg.num_hidden_layers))
         self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
+        self.streams = cfg.hc_count
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, self.streams)  # every stream starts as the embedding
+
+    def end(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.hyper_connection_mixer(streams)[0]
 
 
 class Model(CausalLM):
     spec = ModelSpec(zero_centered_norms=True, attention_output_gate=True, shared_expert=True)
     backbone_class = HyperBackbone
-
-    def new_state(self, dtype: torch.dtype, device: torch.device) -> SequenceState:
-        return SequenceState([layer.new_state(dtype, device) for layer in self.model.layers])
-
-    def forward(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """ids [T] -> final hidden states [T, H]; appends to `state`."""
-        x = self.model.embed_tokens(ids)
-        positions = torch.arange(state.length, state.length + ids.shape[0], device=ids.device)
-        rope = self.rotary.cos_sin(positions, x.dtype)
-        streams = x.repeat(1, self.config.hc_count)  # every stream starts as the embedding
-        for layer, layer_state in zip(self.model.layers, state.layers):
-            streams = layer(streams, ids, rope, layer_state)
-        state.length += ids.shape[0]
-        state.tokens.extend(ids.tolist())
-        return self.model.hyper_connection_mixer(streams)[0]

@@ -213,7 +213,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         cfg, engine = llm.config, llm.engine_config
         return {"id": settings.model_name, "model_type": cfg.model_type, "num_hidden_layers": cfg.num_hidden_layers,
                 "record_layers": cfg.num_record_layers, "num_experts": cfg.num_experts,
-                "num_experts_per_tok": cfg.num_experts_per_tok, "precision": engine.experts.precision,
+                "num_experts_per_tok": cfg.num_experts_per_tok, "precision": engine.expert.precision,
                 "device": engine.device, "dtype": engine.dtype, "prefill_chunk": engine.prefill_chunk,
                 "max_model_len": context_length}
 

@@ -43,3 +43,20 @@ def test_streams_text_and_reports_on_stderr(tiny):
 def test_a_ring_of_no_slots_is_refused_in_one_line(tiny):
     proc = generate(tiny.store("qwen3_moe"), "--ring", "0")
     assert proc.returncode == 1 and proc.stderr.strip() == "error: need --ring >= 1 and --group >= 1", proc.stderr
+
+
+def test_a_bf16_only_store_runs_at_its_own_precision(tiny):
+    """A store packed with `--experts 16` alone opens with no --experts: the precision follows the store."""
+    store = tiny.store("qwen3_moe", experts=("bf16",))
+    proc = generate(store, "--json", "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["stats"]["experts"]["bf16"]["lookups"] > 0
+    proc = generate(store, "--experts", "4")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "q4" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("option", [["--pool-gb", "nan"], ["--host-gb", "-5"], ["--ring", "0"],
+                                    ["--max-context", "0"], ["--prefix-cache-mb", "inf"]])
+def test_engine_options_out_of_range_are_one_line(tiny, option):
+    proc = generate(tiny.store("qwen3_moe"), *option)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr

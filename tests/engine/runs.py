@@ -10,17 +10,13 @@ from moestream.engine.llm import LLM
 @torch.inference_mode()
 def greedy_trace(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill `prompt`, then `steps` greedy tokens; returns (tokens, logits of every position [T+steps, V])."""
-    state = llm.model.new_state(llm.dtype, llm.device)
+    state = llm.decoder.new_state()  # on the GPU the decoder's own: its graph replays
     logits = [llm.model.logits(llm.model(torch.tensor(prompt, device=llm.device), state))]
     tokens = []
-    step = llm._step()  # the CUDA decoder on GPU (graphs or the handshake), else the eager forward
     for _ in range(steps):
         token = int(torch.argmax(logits[-1][-1]))
         tokens.append(token)
-        if step is not None:
-            logits.append(step(token, state)[None])
-        else:
-            logits.append(llm.model.logits(llm.model(torch.tensor([token], device=llm.device), state)))
+        logits.append(llm.decoder.step(token, state)[None])  # graphs or the handshake on GPU, else eager
     return tokens, torch.cat(logits).cpu()
 
 

@@ -67,7 +67,8 @@ def test_restored_attention_caches_keep_their_capacity(tiny):
     seq = llm._sequence(ids, GREEDY)
     list(llm._run(seq))
     capacities = [s.k.shape[0] for s in seq.state.layers]
-    boundary, state = llm.prefix_cache.restore(ids + [5])
+    state = llm.model.new_state(llm.dtype, llm.device)
+    boundary = llm.prefix_cache.restore(ids + [5], state)
     assert boundary == 96 and state.length == 96 and state.tokens == ids[:96]
     assert [s.k.shape[0] for s in state.layers] == capacities  # as after an uncached prefill of 96 tokens
     assert all(torch.equal(s.k[:96], r.k[:96]) for s, r in zip(state.layers, seq.state.layers))
@@ -80,7 +81,7 @@ def test_lru_stays_within_the_byte_budget(tiny):
     run(llm, list(range(3, 20)))  # snapshots at 8 and 16
     sizes = llm.prefix_cache.stats()["bytes"]
     assert sizes > 0
-    small = PrefixCache(budget_bytes=sizes, chunk=CHUNK, device=llm.device)
+    small = PrefixCache(budget_bytes=sizes, chunk=CHUNK)
     llm.prefix_cache = small
     run(llm, list(range(3, 20)))
     run(llm, list(range(30, 47)))  # two more snapshots: the first two go

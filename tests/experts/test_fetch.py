@@ -5,6 +5,7 @@ import torch
 
 from moestream.engine.llm import LLM
 from moestream.experts.format import RecordLayout
+from moestream.experts.provider import ExpertStep
 
 STRIDE = RecordLayout.build("q4", 64, 64).stride
 
@@ -14,11 +15,11 @@ def test_adjacent_host_tier_copies_merge_and_land_where_asked(tiny):
     llm = LLM(store, device="cpu", pool_gb=2.0001 * STRIDE / 1e9, host_gb=1.0, preload=True)
     try:
         provider, spans = llm.provider, []
-        flush = provider.fetcher._flush
-        provider.fetcher._flush = lambda span: (spans.append(span[2]) if span else None, flush(span))
+        flush = provider.residency.fetcher._flush
+        provider.residency.fetcher._flush = lambda span: (spans.append(span[2]) if span else None, flush(span))
         every = torch.arange(96).remainder(8).reshape(48, 2)  # every expert: the ring fetches them all
         records = open(f"{store}/experts.q4.bin", "rb").read()
-        for b in provider.batches(0, every, torch.zeros(48, 64)):
+        for b in provider.parts(0, every, torch.zeros(48, 64), ExpertStep()):
             for e, slot in zip(b.experts, b.slots):
                 rid = provider.geometry.rid(0, e)
                 assert bytes(b.buffer[slot].numpy()) == records[rid * STRIDE:(rid + 1) * STRIDE], (e, slot)

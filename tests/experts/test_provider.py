@@ -10,6 +10,7 @@ import torch
 from moestream.engine.llm import LLM
 from moestream.errors import BudgetError, StoreError
 from moestream.experts.format import RecordLayout
+from moestream.experts.provider import ExpertStep
 from moestream.sampling import SamplingParams
 from tests.engine.runs import prompt_of
 
@@ -107,33 +108,13 @@ def test_steps_read_by_address_are_counted(tiny):
                        for e in set(routed[0].tolist()))
         assert 0 < resident < distinct  # some hits and some misses
         for _ in range(2):  # two steps, counted together when the counters are read
-            llm.provider.count_addressed(routed)
+            llm.provider.note_addressed(routed)
         after = llm.stats()["totals"]["q4"]
         _check_totals(after)
         assert after["lookups"] - before["lookups"] == 2 * distinct
         assert after["hits"] - before["hits"] == 2 * resident
         assert after["reads"]["host"]["records"] - before["reads"]["host"]["records"] == 2 * (distinct - resident)
         assert after["decode_steps"] - before["decode_steps"] == 2 * g.num_layers
-    finally:
-        llm.close()
-
-
-def test_prefill_steps_read_in_place_are_counted_as_the_ring_counts(tiny):
-    """An in-place prefill step (tiles built on the GPU) hands its entries per expert to count later: each expert
-    used is a lookup, a hit and a pool read, as the ring path counts them."""
-    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
-    try:
-        llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=1))
-        g, layer = llm.provider.geometry, 1
-        counts = torch.zeros(g.num_experts, dtype=torch.int64)
-        counts[[0, 3, 5]] = torch.tensor([7, 1, 40])
-        before, uses = llm.stats()["layers"][layer]["q4"], list(llm.provider.stats.expert_uses[layer])
-        llm.provider.count_in_place(layer, counts)
-        after = llm.stats()["layers"][layer]["q4"]
-        _check_totals(after)
-        assert [after[k] - before[k] for k in ("lookups", "hits", "misses", "prefill_steps")] == [3, 3, 0, 1]
-        assert after["reads"]["gpu"]["records"] - before["reads"]["gpu"]["records"] == 3
-        assert [b - a for a, b in zip(uses, llm.provider.stats.expert_uses[layer])] == (counts > 0).long().tolist()
     finally:
         llm.close()
 
@@ -147,11 +128,11 @@ def test_a_request_counts_its_own_steps_read_by_address(tiny):
         layers, params = llm.provider.geometry.num_layers, SamplingParams(max_tokens=4, ignore_eos=True)
         first = llm.generate([prompt_of(llm, 8)], params)[0].stats["experts"]["q4"]["decode_steps"]
         routed = torch.zeros(layers, llm.config.num_experts_per_tok, dtype=torch.long)
-        llm.provider.count_addressed(routed)  # a graph step of an earlier request, not counted yet
+        llm.provider.note_addressed(routed)  # a graph step of an earlier request, not counted yet
         again = llm.generate([prompt_of(llm, 8)], params)[0].stats["experts"]["q4"]["decode_steps"]
         assert again == first
         before = llm.provider.totals()["q4"]["decode_steps"]
-        llm.provider.count_addressed(routed)
+        llm.provider.note_addressed(routed)
         assert llm.provider.totals()["q4"]["decode_steps"] == before + layers  # counted when read
     finally:
         llm.close()
@@ -185,7 +166,7 @@ def test_preload_puts_every_record_where_it_stays(tiny):
         llm.close()
     llm = LLM(tiny.store("qwen3_moe"), device="cpu", preload=True, pool_gb=2 * STRIDE / 1e9, host_gb=0.01)
     try:
-        assert len(llm.provider.host.slot_of) == llm.provider.geometry.num_records
+        assert len(llm.provider.residency.host.slot_of) == llm.provider.geometry.num_records
     finally:
         llm.close()
 
@@ -202,7 +183,7 @@ def test_prefill_fills_never_leave_another_layer_short(tiny):
                                                                                            for e in range(5)]:
             p.pool.allocate(rid)
         ids = torch.arange(64).remainder(n).view(32, 2)  # every expert, 8 entries each
-        list(p.batches(3, ids, torch.randn(32, 64)))
+        list(p.parts(3, ids, torch.randn(32, 64), ExpertStep()))
         held = Counter(rid // n for rid in p.pool.slot_of)
         assert held[3] == share and held[2] == share and held[1] == 1 and held[0] == 5 - share
     finally:

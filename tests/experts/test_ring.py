@@ -5,6 +5,7 @@ import torch
 
 from moestream.engine.llm import LLM
 from moestream.experts.format import RecordLayout
+from moestream.experts.provider import ExpertStep
 from moestream.sampling import SamplingParams
 from tests.engine.runs import prompt_of
 
@@ -35,13 +36,14 @@ def test_a_wrong_guess_costs_a_copy_not_a_result(tiny):
     try:
         provider = llm.provider
         every = torch.arange(96).remainder(8).reshape(48, 2)  # every expert: layer 1's ring is guessed
-        for _ in provider.batches(0, every, torch.zeros(48, 64)):
+        step = ExpertStep()
+        for _ in provider.parts(0, every, torch.zeros(48, 64), step):
             pass
-        assert provider._speculated is not None and provider._speculated[0] == 1
+        assert step.ahead is not None and step.ahead.layer == 1  # layer 0's step returned it for layer 1
         skips_0 = every.clamp(min=1)  # expert 0 unused: every guessed ring position is now off by one
         records = open(f"{store}/experts.q4.bin", "rb").read()
         batches = 0
-        for b in provider.batches(1, skips_0, torch.zeros(48, 64)):
+        for b in provider.parts(1, skips_0, torch.zeros(48, 64), step):
             for e, slot in zip(b.experts, b.slots):
                 rid = provider.geometry.rid(1, e)
                 assert bytes(b.buffer[slot].numpy()) == records[rid * STRIDE:(rid + 1) * STRIDE], (e, slot)
@@ -66,13 +68,13 @@ def test_early_fetches_go_one_ring_batch_per_call(tiny, monkeypatch):
     llm = LLM(tiny.store("qwen3_moe"), device="cpu", pool_gb=2.0001 * STRIDE / 1e9, host_gb=0.01,
               ring_lookahead=True, ring_group=2)
     try:
-        calls, fetch = [], llm.provider._fetch
+        calls, fetch = [], llm.provider.residency.fetch
 
         def spy(layer, items, precision, ring=False, early=False):
             calls.append(len(items)) if early else None
             return fetch(layer, items, precision, ring=ring, early=early)
 
-        monkeypatch.setattr(llm.provider, "_fetch", spy)
+        monkeypatch.setattr(llm.provider.residency, "fetch", spy)
         llm.generate([prompt_of(llm, 48)], SamplingParams(max_tokens=1))
         assert calls and max(calls) == 2
     finally:

@@ -9,6 +9,7 @@ import torch
 
 from moestream.engine.llm import LLM
 from moestream.experts.format import RecordLayout
+from moestream.experts.provider import ExpertStep
 from moestream.packer.pack import PackOptions, pack
 from moestream.quant.lowbit import dequantize_lowbit
 from tests.engine.runs import greedy_trace, prompt_of
@@ -103,11 +104,11 @@ def test_mixed_mode_reports_each_precision(lowbit_store):
         provider = llm.provider
         absent = [e for e in range(8) if provider.geometry.rid(1, e) not in provider.pool.slot_of][:2]
         ids, x = torch.tensor([absent]), torch.randn(1, 64)
-        list(provider.batches(1, ids, x))
+        list(provider.parts(1, ids, x, ExpertStep()))
         slots = [provider.pool.slot_of[provider.geometry.rid(1, e)] for e in absent]
         fetched = [provider.pool.pending[s] for s in slots]
         hits = totals["q2"]["hits"] if "q2" in totals else 0
-        batches = list(provider.batches(1, ids, x))
+        batches = list(provider.parts(1, ids, x, ExpertStep()))
         assert [provider.pool.precision_of[s] for s in slots] == ["q2", "q2"]
         assert [provider.pool.pending[s] for s in slots] == fetched  # hit, not fetched again
         assert [b.layout.precision for b in batches] == ["q2"]
@@ -126,7 +127,7 @@ def test_mixed_mode_host_tier_holds_the_miss_precision_first(lowbit_store):
     try:
         from moestream.sampling import SamplingParams
 
-        records, keys = llm.provider.geometry.num_records, set(llm.provider.host.slot_of)
+        records, keys = llm.provider.geometry.num_records, set(llm.provider.residency.host.slot_of)
         assert {("q2", rid) for rid in range(records)} <= keys and len(keys) == 40
         llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=12))
         totals = llm.stats()["totals"]
@@ -154,7 +155,7 @@ def test_mixed_mode_steps_read_by_address_are_counted_per_precision(lowbit_store
         routed = torch.tensor([list(range(llm.config.num_experts_per_tok))] * g.num_layers)
         used = [g.rid(layer, e) for layer in range(g.num_layers) for e in routed[0].tolist()]
         cached = Counter(precision.get(rid, "miss") for rid in used)
-        provider.count_addressed(routed)
+        provider.note_addressed(routed)
         after = llm.stats()["totals"]
 
         def grew(*keys):  # a counter's growth; a precision absent before counted 0
@@ -179,7 +180,7 @@ def test_gpu_mixed_mode_decode_runs_as_graphs(lowbit_store):
     (each precision's kernels skip the other's entries), and they give the bits of the same step run eagerly."""
     stride = RecordLayout.build("q4", 64, 64).stride
     traces = []
-    for mode in ("graph", "addressed"):
+    for mode in ("graph", "eager"):
         llm = LLM(lowbit_store, device="cuda", dtype="bfloat16", experts=4, miss_experts=2,
                   pool_gb=16.0001 * stride / 1e9, host_gb=40.0001 * stride / 1e9, preload=True, decode_mode=mode)
         try:

@@ -1,0 +1,66 @@
+"""The decode fetch path (a step of few rows, records not addressable in place): hits compute at once; misses
+get pool slots (LRU, never evicting a slot this step uses) and fetches (at the miss precision in mixed mode),
+and compute after their copies; then layer L+1's router applied to the current hidden state predicts L+1's
+experts, and their fetches start after L's misses (one-layer lookahead)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from moestream.experts.grouping import ExpertBatch, Grouping, batch_of
+from moestream.experts.residency import Residency
+
+
+class DecodePath:
+    def __init__(self, residency: Residency, top_k: int, lookahead: bool):
+        self.res, self.top_k, self.lookahead = residency, top_k, lookahead
+        self.routers: dict[int, torch.Tensor] = {}  # layer slot -> router weight, for lookahead
+
+    def batches(self, layer: int, g: Grouping, x: torch.Tensor) -> Iterator[ExpertBatch]:
+        res, pool, geometry = self.res, self.res.pool, self.res.geometry
+        res.stats.at(layer, res.base).decode_steps += 1
+        jobs = []  # (expert index, slot, wait)
+        for j, e in enumerate(g.experts):
+            slot = res.lookup(layer, geometry.rid(layer, e))
+            jobs.append((j, slot, pool.pending[slot] if slot is not None else None))
+        misses = [i for i, (_, slot, _) in enumerate(jobs) if slot is None]
+        items = []
+        for i in misses:  # demand misses: into distinct slots, pinned for this step
+            rid = geometry.rid(layer, g.experts[jobs[i][0]])
+            slot = pool.allocate(rid)
+            pool.pin(slot)
+            items.append((rid, slot))
+        for i, (_, slot), future in zip(misses, items, res.fetch(layer, items, res.miss)):
+            jobs[i] = (jobs[i][0], slot, future)
+        if self.lookahead:
+            self._prefetch_next(layer, x)
+        hits = [job for job in jobs if job[2] is None or job[2].done()]
+        later = [job for job in jobs if job not in hits]
+        used = []
+        for part in (hits, later):  # residents compute at once, the misses after their copies
+            for precision, group in res.by_precision(part):
+                res.wait(layer, [s for _, s, _ in group], [w for _, _, w in group])
+                used += [s for _, s, _ in group]
+                yield batch_of(g, [j for j, _, _ in group], pool.buffer, res.layouts[precision],
+                               [s for _, s, _ in group])
+        res.done(used)
+
+    def _prefetch_next(self, layer: int, x: torch.Tensor) -> None:
+        router = self.routers.get(layer + 1)
+        if router is None:
+            return
+        res, pool = self.res, self.res.pool
+        predicted = torch.topk(x @ router.T, self.top_k, dim=-1).indices.reshape(-1).unique().tolist()
+        c = res.stats.at(layer + 1, res.base)
+        for e in predicted:
+            rid = res.geometry.rid(layer + 1, e)
+            if pool.lookup(rid) is not None:
+                continue
+            slot = pool.allocate(rid)
+            if slot is None:
+                break
+            pool.prefetched.add(rid)
+            res.fetch(layer + 1, [(rid, slot)], res.fill_precision(rid))
+            c.prefetch_issued += 1

@@ -1,0 +1,192 @@
+"""Where expert records are: the GPU pool, the pinned host tier and the fetches between them, and the one place
+that counts what each step found.
+
+A lookup is counted when a step asks for a record (`lookup`), or in bulk for steps that read their records by
+address with no host decision (`note_addressed`, counted by `flush` against the residency they ran with). Fetches
+fill pool or ring slots on the copy stream; each slot remembers the fetch filling it and the compute event after
+its last reader (pool.py), so a copy never lands in a slot a kernel may still read, nor a kernel reads before it.
+Mixed mode (`miss_precision`): a cached record keeps its precision, and a hit or a miss is counted at it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moestream.config import ExpertConfig
+from moestream.experts.budget import pool_slots_for
+from moestream.experts.fetch import Fetcher, FetchRequest
+from moestream.experts.host import HostTier
+from moestream.experts.memory import Device
+from moestream.experts.pool import ExpertPool
+from moestream.experts.profile import Profiler
+from moestream.experts.reads import RecordReader
+from moestream.experts.store import Store
+from moestream.stats.counters import ExpertStats
+
+
+class Residency:
+    def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int):
+        self.cfg, self.geometry = cfg, store.manifest.geometry
+        self.base = cfg.precision or store.default_precision
+        self.miss = cfg.miss_precision or self.base
+        self.layouts = {p: store.manifest.layouts[p] for p in {self.base, self.miss}}
+        stride = max(layout.stride for layout in self.layouts.values())
+        self.device = Device(device, cfg.io_timeout_s)
+        self.stats = ExpertStats(self.geometry.num_layers, self.geometry.num_experts)
+        self.pool = ExpertPool(pool_slots_for(store, cfg, device, top_k, stride), cfg.ring_slots, stride, device)
+        readers = {p: RecordReader(store.experts_path(p), layout.stride, self.geometry.num_records, cfg.direct_io)
+                   for p, layout in self.layouts.items()}
+        self.stats.direct_io = all(r.direct for r in readers.values())
+        self.io_note = next((r.fallback_reason for r in readers.values() if r.fallback_reason), None)
+        host_slots = max(1, int(cfg.host_gb * 1e9 // stride))
+        self.host = HostTier(host_slots, stride, self.device.cuda) if cfg.host_gb else None
+        self.fetcher = Fetcher(self.device, readers, self.host, self.stats, cfg.read_threads, cfg.staging_records,
+                               cfg.fake_reads)
+        self.profiler = Profiler(cfg.profile and self.device.cuda)
+        self.changed = True  # pool residency changed since the address table was built (addresses.py)
+        self._addressed: list[torch.Tensor] = []  # expert ids of steps read by address, not counted yet
+
+    # -- counting -------------------------------------------------------------------------------------
+    def lookup(self, layer: int, rid: int) -> int | None:
+        """The record's pool slot (a hit, pinned for this step), or None (a miss); counted."""
+        slot = self.pool.lookup(rid)
+        precision = self.pool.precision_of[slot] if slot is not None else self.base
+        self._count(layer, {precision: int(slot is not None)}, int(slot is None))
+        self.stats.expert_uses[layer][rid % self.geometry.num_experts] += 1
+        if slot is None:
+            return None
+        self.pool.pin(slot)
+        if rid in self.pool.prefetched:
+            self.pool.prefetched.discard(rid)
+            self.stats.at(layer, precision).prefetch_used += 1
+        return slot
+
+    def _count(self, layer: int, hits: dict[str, int], misses: int) -> None:
+        """Lookups that hit pool records (per precision: a pool read each) and that missed (at the base one)."""
+        for precision, n in hits.items():
+            c = self.stats.at(layer, precision)
+            c.lookups += n
+            c.hits += n
+            if n:
+                self.stats.read(layer, precision, "gpu", n * self.layouts[precision].stride, records=n)
+        c = self.stats.at(layer, self.base)
+        c.lookups += misses
+        c.misses += misses
+
+    def note_addressed(self, routed: torch.Tensor) -> None:
+        """A decode step that read its records by address (a graph replay sees no provider): `routed`
+        [num_layers, top_k] are its expert ids, counted in bulk by `flush`, so the step never waits."""
+        self._addressed.append(routed.clone())
+        if len(self._addressed) >= 256:
+            self.flush()
+
+    def flush(self) -> None:
+        """Count the noted steps against the current residency: before it can change and before the counters are
+        read. A pool record is a hit; any other a miss read in place from the host tier, as the table points."""
+        if not self._addressed:
+            return
+        ids = torch.stack(self._addressed).cpu().sort(-1).values  # [steps, layers, top_k]
+        self._addressed = []
+        g = self.geometry
+        distinct = torch.ones_like(ids, dtype=torch.bool)
+        distinct[..., 1:] = ids[..., 1:] != ids[..., :-1]
+        rid = ids + torch.arange(g.num_layers)[None, :, None] * g.num_experts
+        cached = {p: torch.zeros(g.num_records, dtype=torch.bool) for p in self.layouts}
+        for r, slot in self.pool.slot_of.items():
+            precision = self.pool.precision_of[slot]  # None for a slot whose fill is not fetched yet
+            if precision in cached:
+                cached[precision][r] = True
+        hits = {p: (distinct & c[rid]).sum((0, 2)).tolist() for p, c in cached.items()}
+        lookups = distinct.sum((0, 2)).tolist()
+        uses = torch.bincount(rid[distinct], minlength=g.num_records).view(g.num_layers, g.num_experts).tolist()
+        for layer in range(g.num_layers):
+            misses = lookups[layer] - sum(h[layer] for h in hits.values())
+            self.stats.at(layer, self.base).decode_steps += ids.shape[0]
+            self._count(layer, {p: h[layer] for p, h in hits.items()}, misses)
+            self.stats.read(layer, self.miss, "host", misses * self.layouts[self.miss].stride, records=misses)
+            self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], uses[layer])]
+
+    # -- fetching -------------------------------------------------------------------------------------
+    def fill_precision(self, rid: int) -> str:
+        """Pool fills and lookahead fetch the base precision, unless the host tier holds only the miss precision's
+        record (mixed mode with RAM for its misses alone): then that one, rather than wait on the disk."""
+        host = self.host
+        if self.miss != self.base and host is not None and (self.base, rid) not in host.slot_of \
+                and (self.miss, rid) in host.slot_of:
+            return self.miss
+        return self.base
+
+    def by_precision(self, jobs: list) -> list[tuple[str, list]]:
+        """Jobs (expert index, slot, wait) grouped by their slot's precision, the base one first."""
+        groups: dict[str, list] = {}
+        for job in jobs:
+            groups.setdefault(self.pool.precision_of[job[1]], []).append(job)
+        return sorted(groups.items(), key=lambda kv: kv[0] != self.base)
+
+    def fetch(self, layer: int, items: list[tuple[int, int]], precision: str, ring: bool = False,
+              early: bool = False) -> list:
+        """Fetch records into distinct slots, `items` = [(record id, slot)]; one future per item. `early`: for
+        the next layer, before its step (timed as its copies)."""
+        if not ring:
+            self.changed = True
+        requests = [FetchRequest(rid, precision, layer, self.pool.views[slot], self.pool.last_use[slot],
+                                 self.pool.pending[slot]) for rid, slot in items]
+        fetched = self.fetcher.fetch(requests, lambda: self._copy_events(early))
+        for (rid, slot), (future, ready) in zip(items, fetched):
+            self.pool.pending[slot], self.pool.ready[slot], self.pool.precision_of[slot] = future, ready, precision
+            if ring:
+                self.pool.rid_of[slot] = rid
+        return [future for future, _ in fetched]
+
+    def _copy_events(self, early: bool = False) -> tuple:
+        """(started, ready) for a copy or a run of copies; `started` only when profiling."""
+        started, ready = self.profiler.copy_events(self.device, early)
+        return started, ready or self.device.event()
+
+    def wait(self, layer: int, slots: list[int], futures: list) -> None:
+        """Block until the fetches are enqueued, then make the compute stream wait for their copies."""
+        start = time.perf_counter()
+        for s, f in zip(slots, futures):
+            if f is not None:
+                f.result(timeout=self.cfg.io_timeout_s)
+                if self.pool.pending[s] is f:  # settled: later steps skip it (a resident's hit needs no future)
+                    self.pool.pending[s] = None
+        waited = time.perf_counter() - start
+        if waited > 1e-4:
+            self.stats.at(layer, self.base).io_wait_seconds += waited
+        waited_on = None
+        for s in slots:
+            ready = self.pool.ready[s]
+            if ready is not None:  # once waited on, later compute is ordered after the copy
+                if ready is not waited_on:  # a run of copies shares one event
+                    self.device.wait_on_compute(ready)
+                    waited_on = ready
+                self.pool.ready[s] = None
+
+    def done(self, slots: list[int]) -> None:
+        """The slots' readers are enqueued: a later copy into them waits for this event."""
+        done = self.device.event()
+        done.record(self.device.compute_stream())
+        for s in slots:
+            self.pool.last_use[s] = done
+
+    def settle(self) -> None:
+        """Wait for every fetch in flight and every copy on the device (before addresses are handed out)."""
+        for f in self.pool.pending + (self.host.last_job if self.host else []):
+            if f is not None:
+                f.result(timeout=self.cfg.io_timeout_s)
+        if self.device.cuda:
+            torch.cuda.synchronize(self.device.device)
+
+    def resident(self) -> list[list[int]]:
+        """Each layer's experts in the GPU pool right now."""
+        n = self.geometry.num_experts
+        out = [[] for _ in range(self.geometry.num_layers)]
+        for rid in sorted(self.pool.slot_of):
+            out[rid // n].append(rid % n)
+        return out
+
+    def close(self) -> None:
+        self.fetcher.close()
