@@ -54,6 +54,8 @@ class Decoder:
         """Feed one token; returns the next logits [vocab] (float32)."""
         if not self.static:
             return self.model.logits(self.model(torch.tensor([token], device=self.device), state))[0]
+        if self._capacity(state) < self.max_context:  # another state (tests): attended over as the decoder's own
+            self._reserve(state, self.max_context)
         if state.length >= self._capacity(state):
             self._reserve(state, 2 * self._capacity(state))
             if state is self.state:
