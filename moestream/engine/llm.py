@@ -78,16 +78,17 @@ class LLM:
 
     @torch.inference_mode()
     def warm(self) -> None:
-        """Compile and run once every kernel a request uses (expert kernels on a scratch record, so nothing is
-        fetched or counted), and capture the decode graph."""
+        """Load the tokenizer, run once every kernel a request uses (a one-token and a 512-token prompt of random
+        ids, their experts computed from a scratch record, so that nothing is fetched or counted), and capture the
+        decode graph: the first request then runs as fast as the tenth."""
         from moestream.engine.progress import status
 
         with status("warming the kernels"):
-            top_k = self.config.num_experts_per_tok
-            rows = max(self.provider.cfg.prefill_min_rows, -(-257 // top_k))  # a full and a short last tile
-            for n in (1, rows):
+            self.eos_ids  # noqa: B018 (loads the tokenizer)
+            generator = torch.Generator().manual_seed(0)
+            for n in (1, 512):
                 state = self.model.new_state(self.dtype, self.device)
-                ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                ids = torch.randint(0, self.config.vocab_size, (n,), generator=generator).to(self.device)
                 self.model(ids, state, StepContext.eager(0, n, self.device, ExpertStep(scratch=True)))
             self.decoder.warm()
 

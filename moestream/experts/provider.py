@@ -21,7 +21,7 @@ import torch
 from moestream.config import ExpertConfig
 from moestream.experts.addresses import AddressTable
 from moestream.experts.decode import DecodePath
-from moestream.experts.grouping import AddressedExperts, ExpertBatch, group_by_expert
+from moestream.experts.grouping import AddressedExperts, ExpertBatch, batch_of, group_by_expert
 from moestream.experts.residency import Residency
 from moestream.experts.ring import RingAhead, RingPath
 from moestream.experts.store import Store
@@ -72,15 +72,15 @@ class ExpertProvider:
             yield from self.decode.batches(layer, g, x)
 
     def _scratch_parts(self, ids: torch.Tensor) -> Iterator[ExpertBatch]:
-        """Every entry of the step computed with one zeroed record of each precision: each kernel variant the
-        step's size picks is compiled and run once, with no fetch and no count."""
+        """The step's experts, grouped as a real step groups them, each computed from one zeroed record at each
+        precision: every kernel variant the step's shape picks is compiled and run once, with no fetch and no
+        count."""
         res = self.residency
         if self._scratch is None:
             self._scratch = torch.zeros(1, res.pool.stride, dtype=torch.uint8, device=res.device.device)
-        entries = ids.numel()
-        order = torch.arange(entries, device=ids.device)
+        g = group_by_expert(ids, self.geometry.num_experts)
         for layout in res.layouts.values():
-            yield ExpertBatch(self._scratch, layout, [0], [0], [(0, entries)], order)
+            yield batch_of(g, list(range(len(g.experts))), self._scratch, layout, [0] * len(g.experts))
 
     def preload(self, on_progress=None) -> str | None:
         return self.addresses.preload(on_progress)

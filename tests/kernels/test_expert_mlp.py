@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moestream.experts.format import RecordLayout
+from moestream.experts.grouping import AddressedExperts
 from moestream.kernels import reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.interpretable]
@@ -104,7 +105,7 @@ def test_per_entry_reads_the_table_by_expert_id(precision):
     table = torch.tensor([buf[s].data_ptr() for s in (4, 0, 2, 1)], device=DEVICE)  # expert -> slot 4, 0, 2, 1
     ids = torch.tensor([3, 0, 2, 3, 1, 0], device=DEVICE)
     out = torch.full((6, 128), float("nan"), dtype=DTYPE, device=DEVICE)
-    expert_mlp.per_entry(x, table, ids, layout, 2, out)
+    expert_mlp.per_entry(x, AddressedExperts(table, ids, layout, None), 2, out)
     want = torch.empty_like(out)
     slot_of = (4, 0, 2, 1)
     for e, expert in enumerate(ids.tolist()):
@@ -129,7 +130,7 @@ def test_per_entry_mixed_precision(miss):
     x = torch.randn(3, 128, generator=gen).to(DEVICE, DTYPE)
     ids = torch.tensor([3, 0, 2, 1, 1, 3], device=DEVICE)
     out = torch.full((6, 128), float("nan"), dtype=DTYPE, device=DEVICE)
-    expert_mlp.per_entry(x, table, ids, q4, 2, out, low_bit=(low, record_bits))
+    expert_mlp.per_entry(x, AddressedExperts(table, ids, q4, (low, record_bits)), 2, out)
     want = torch.empty_like(out)
     for e, expert in enumerate(ids.tolist()):
         p, slot = where[expert]
