@@ -88,6 +88,7 @@ class Decoder:
             if addresses is not None:
                 self._run(self.state, addresses)
                 self._capture(addresses)
+                self.graph.replay()  # the first replay uploads the graph
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

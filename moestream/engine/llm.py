@@ -56,10 +56,11 @@ class LLM:
 
             with progress_bar("loading experts", self.provider.geometry.num_layers) as advance:
                 self.provider.preload(lambda done, total: advance(done))
+        self.prefix_cache = None  # made after the warm-up: it keeps nothing of it
         if cfg.warm if cfg.warm is not None else cuda:
             self.warm()
-        self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk) \
-            if cfg.prefix_cache_mb > 0 else None
+        if cfg.prefix_cache_mb > 0:
+            self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk)
 
     def _precisions(self, path: str, expert):
         """`expert` with its precision resolved (None: the store's, Q4 first), each one the store holds or, for
@@ -79,18 +80,23 @@ class LLM:
     @torch.inference_mode()
     def warm(self) -> None:
         """Load the tokenizer, run once every kernel a request uses (a one-token and a 512-token prompt of random
-        ids, their experts computed from a scratch record, so that nothing is fetched or counted), and capture the
-        decode graph: the first request then runs as fast as the tenth."""
+        ids, their experts computed from a scratch record, so that nothing is fetched or counted) and capture the
+        decode graph; with every record in the pool, a whole request too (it fetches nothing; its counts are taken
+        back). The first request then runs as fast as the tenth."""
         from moestream.engine.progress import status
 
         with status("warming the kernels"):
             self.eos_ids  # noqa: B018 (loads the tokenizer)
             generator = torch.Generator().manual_seed(0)
-            for n in (1, 512):
+            prompt = torch.randint(0, self.config.vocab_size, (512,), generator=generator)
+            for ids in (prompt[:1], prompt):
                 state = self.model.new_state(self.dtype, self.device)
-                ids = torch.randint(0, self.config.vocab_size, (n,), generator=generator).to(self.device)
-                self.model(ids, state, StepContext.eager(0, n, self.device, ExpertStep(scratch=True)))
+                ctx = StepContext.eager(0, len(ids), self.device, ExpertStep(scratch=True))
+                self.model(ids.to(self.device), state, ctx)
             self.decoder.warm()
+            if self.provider.pool.resident == self.provider.geometry.num_records:
+                with self.provider.uncounted():
+                    self.generate([prompt.tolist()], SamplingParams(max_tokens=2, ignore_eos=True))
 
     @property
     def tokenizer(self):

@@ -13,6 +13,8 @@ The provider decides only where records are, never how they are computed, so res
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -90,6 +92,17 @@ class ExpertProvider:
 
     def note_addressed(self, routed: torch.Tensor) -> None:
         self.residency.note_addressed(routed)
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Steps in the block leave the counters as they were (warming up)."""
+        self.residency.flush()
+        saved = copy.deepcopy((self.stats.layers, self.stats.expert_uses))
+        try:
+            yield
+        finally:
+            self.residency.flush()
+            self.stats.layers, self.stats.expert_uses = saved
 
     # -- reporting ------------------------------------------------------------------------------------
     def totals(self) -> dict:
