@@ -42,11 +42,9 @@ class Decoder:
         attention's split, so every sequence starts at the same one."""
         if not self.static:
             return self.model.new_state(self.dtype, self.device)
-        if self._capacity(self.state) != self.capacity:
+        if self.state.capacity != self.capacity:
             self.state, self.graph = self._static_state(), None
-        for s in self.state.layers:
-            s.reset()
-        self.state.length, self.state.tokens = 0, []
+        self.state.reset()
         return self.state
 
     @torch.inference_mode()
@@ -54,10 +52,10 @@ class Decoder:
         """Feed one token; returns the next logits [vocab] (float32)."""
         if not self.static:
             return self.model.logits(self.model(torch.tensor([token], device=self.device), state))[0]
-        if self._capacity(state) < self.max_context:  # another state (tests): attended over as the decoder's own
-            self._reserve(state, self.max_context)
-        if state.length >= self._capacity(state):
-            self._reserve(state, 2 * self._capacity(state))
+        if state.capacity < self.max_context:  # another state (tests): attended over as the decoder's own
+            state.reserve(self.max_context)
+        if state.length >= state.capacity:
+            state.reserve(2 * state.capacity)
             if state is self.state:
                 self.graph = None  # its buffers moved
         self.token.fill_(token)
@@ -104,16 +102,6 @@ class Decoder:
 
     def _static_state(self) -> SequenceState:
         state = self.model.new_state(self.dtype, self.device)
-        self._reserve(state, self.max_context)
-        self.capacity = self._capacity(state)
+        state.reserve(self.max_context)
+        self.capacity = state.capacity
         return state
-
-    @staticmethod
-    def _capacity(state: SequenceState) -> int:
-        return min((s.k.shape[0] for s in state.layers if hasattr(s, "reserve")), default=1 << 62)
-
-    @staticmethod
-    def _reserve(state: SequenceState, rows: int) -> None:
-        for s in state.layers:
-            if hasattr(s, "reserve"):
-                s.reserve(rows)

@@ -10,6 +10,7 @@ uses and capturing the decode graph, so the first request runs as fast as the te
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Iterator
 
 import torch
@@ -59,6 +60,10 @@ class LLM:
         self.prefix_cache = None  # made after the warm-up: it keeps nothing of it
         if cfg.warm if cfg.warm is not None else cuda:
             self.warm()
+            # what the load made lives as long as the engine: out of the collector's way, so that no request pays
+            # for a full pass over it (seen on the H200 as the first request's prefill running ~20% slow)
+            gc.collect()
+            gc.freeze()
         if cfg.prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk)
 
@@ -170,3 +175,4 @@ class LLM:
 
     def close(self) -> None:
         self.provider.close()
+        gc.unfreeze()

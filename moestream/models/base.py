@@ -50,6 +50,22 @@ class SequenceState:
             s.load(o)
         self.length, self.tokens = other.length, list(other.tokens)
 
+    @property
+    def capacity(self) -> int:
+        """Rows its attention caches hold (static decode attends over all of them)."""
+        return min((s.k.shape[0] for s in self.layers if hasattr(s, "reserve")), default=1 << 62)
+
+    def reserve(self, rows: int) -> None:
+        for s in self.layers:
+            if hasattr(s, "reserve"):
+                s.reserve(rows)
+
+    def reset(self) -> None:
+        """Empty, keeping its buffers (a captured graph reads them)."""
+        for s in self.layers:
+            s.reset()
+        self.length, self.tokens = 0, []
+
     def advance(self, tokens: list[int]) -> None:
         """The step that wrote these tokens' caches is done: they are part of the sequence now."""
         for s in self.layers:
