@@ -271,7 +271,8 @@ def _indexer_fields(cfg: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, An
     return dict(values, layer_types=tuple("indexed_attention" if t == "full_attention" else t for t in types))
 
 
-PRECISIONS = ("q4", "q3", "q2", "bf16")
+# expert precision name -> bits; bf16 records hold the source weights unchanged
+PRECISIONS = {"q4": 4, "q3": 3, "q2": 2, "bf16": 16}
 DECODE_MODES = ("graph", "eager", "handshake")
 
 
@@ -354,9 +355,17 @@ class EngineConfig:
         return dataclasses.replace(self, expert=dataclasses.replace(self.expert, **expert), **overrides)
 
 
+def precision_name(bits: int) -> str:
+    for name, b in PRECISIONS.items():
+        if b == bits:
+            return name
+    raise ValueError(f"no expert precision with {bits} bits; choose from 4, 3, 2 or 16")
+
+
 def _precision(bits: int | str | None) -> str | None:
     if bits is None or bits in PRECISIONS:
         return bits
-    names = {4: "q4", 3: "q3", 2: "q2", 16: "bf16"}
-    _check(bits in names, f"no expert precision with {bits} bits; choose from 4, 3, 2 or 16")
-    return names[bits]
+    try:
+        return precision_name(bits)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -92,7 +92,7 @@ class Decoder:
 
     def _run(self, state: SequenceState, addresses: torch.Tensor | None, scratch: bool = False) -> torch.Tensor:
         experts = ExpertStep(addresses, self.routed if addresses is not None else None, scratch=scratch)
-        ctx = StepContext(self.position, state.length, static=True, experts=experts)
+        ctx = StepContext(self.position, static=True, experts=experts)
         return self.model.logits(self.model(self.token, state, ctx))
 
     def _capture(self, addresses: torch.Tensor) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from moestream.config import PRECISIONS, precision_name  # noqa: F401 (the store spec's precisions)
+
 FORMAT_NAME = "moestream-store"
 FORMAT_VERSION = 1
 PAGE = 4096
@@ -23,17 +25,9 @@ MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 PROGRESS_FILE = ".pack-progress.json"
 
-# precision name -> (bits, file); bf16 records hold the source weights unchanged.
-PRECISIONS = {"q4": 4, "q3": 3, "q2": 2, "bf16": 16}
 PROJECTIONS = ("gate", "up", "down")
 DTYPES = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 
-
-def precision_name(bits: int) -> str:
-    for name, b in PRECISIONS.items():
-        if b == bits:
-            return name
-    raise ValueError(f"no expert precision with {bits} bits; choose from 4, 3, 2 or 16")
 
 
 def experts_file(precision: str) -> str:

@@ -52,28 +52,30 @@ class Residency:
     def lookup(self, layer: int, rid: int) -> int | None:
         """The record's pool slot (a hit, pinned for this step), or None (a miss); counted."""
         slot = self.pool.lookup(rid)
-        precision = self.pool.precision_of[slot] if slot is not None else self.base
-        self._count(layer, {precision: int(slot is not None)}, int(slot is None))
         self.stats.expert_uses[layer][rid % self.geometry.num_experts] += 1
         if slot is None:
+            self._count_misses(layer, 1)
             return None
+        precision = self.pool.precision_of[slot]
+        self._count_hits(layer, precision, 1)
         self.pool.pin(slot)
         if rid in self.pool.prefetched:
             self.pool.prefetched.discard(rid)
             self.stats.at(layer, precision).prefetch_used += 1
         return slot
 
-    def _count(self, layer: int, hits: dict[str, int], misses: int) -> None:
-        """Lookups that hit pool records (per precision: a pool read each) and that missed (at the base one)."""
-        for precision, n in hits.items():
-            c = self.stats.at(layer, precision)
-            c.lookups += n
-            c.hits += n
-            if n:
-                self.stats.read(layer, precision, "gpu", n * self.layouts[precision].stride, records=n)
+    def _count_hits(self, layer: int, precision: str, n: int) -> None:
+        """`n` lookups that hit pool records of `precision`, each a pool read."""
+        c = self.stats.at(layer, precision)
+        c.lookups += n
+        c.hits += n
+        self.stats.read(layer, precision, "gpu", n * self.layouts[precision].stride, records=n)
+
+    def _count_misses(self, layer: int, n: int) -> None:
+        """`n` lookups that missed the pool, counted at the base precision."""
         c = self.stats.at(layer, self.base)
-        c.lookups += misses
-        c.misses += misses
+        c.lookups += n
+        c.misses += n
 
     def note_addressed(self, routed: torch.Tensor) -> None:
         """A decode step that read its records by address (a graph replay sees no provider): `routed`
@@ -104,7 +106,9 @@ class Residency:
         for layer in range(g.num_layers):
             misses = lookups[layer] - sum(h[layer] for h in hits.values())
             self.stats.at(layer, self.base).decode_steps += ids.shape[0]
-            self._count(layer, {p: h[layer] for p, h in hits.items()}, misses)
+            for p, h in hits.items():
+                self._count_hits(layer, p, h[layer])
+            self._count_misses(layer, misses)
             self.stats.read(layer, self.miss, "host", misses * self.layouts[self.miss].stride, records=misses)
             self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], uses[layer])]
 

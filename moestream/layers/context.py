@@ -14,7 +14,6 @@ from moestream.experts.provider import ExpertStep
 @dataclass
 class StepContext:
     positions: torch.Tensor  # [T] int64, on the model's device
-    start: int  # the sequence's length before the step (eager caches append there)
     # fixed buffers: attention over the whole reserved cache masked by `positions`, states updated in place, so
     # the step can be captured (one row; layers that cannot be captured say so with `graph_safe = False`)
     static: bool = False
@@ -23,4 +22,4 @@ class StepContext:
     @classmethod
     def eager(cls, start: int, rows: int, device: torch.device, experts: ExpertStep | None = None) -> StepContext:
         """`rows` tokens after the first `start` of the sequence."""
-        return cls(torch.arange(start, start + rows, device=device), start, experts=experts or ExpertStep())
+        return cls(torch.arange(start, start + rows, device=device), experts=experts or ExpertStep())
