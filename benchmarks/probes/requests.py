@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--label", required=True, help="names this checkout's rows")
     p.add_argument("--out", required=True, help="JSON lines file the rows append to")
     p.add_argument("--only", choices=["requests", "rows"], help="one part (default: both)")
+    p.add_argument("--pool", choices=["resident", "25% + host"], help="one pool for the rows (default: both)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     rng = random.Random(0)
@@ -71,7 +72,7 @@ def main() -> None:
     configs = {"resident": {}, "25% + host": dict(pool_gb=0.25 * total_gb * 1.0001, host_gb=1.01 * total_gb,
                                                   preload=True)}
     for pool, options in configs.items():
-        if args.only == "requests" and pool != "resident":
+        if (args.only == "requests" and pool != "resident") or args.pool not in (None, pool):
             continue
         start = time.perf_counter()
         llm = LLM(args.store, device=args.device, **options)
