@@ -60,8 +60,10 @@ def stage_stores(args) -> None:
     free = disk.f_bavail * disk.f_frsize - g.num_records * low_bit - 8e9
     per_layer = 512 * RecordLayout.build("q4", 2560, 640).stride  # qwen3.8-flash-next records per layer
     layers = max(4, min(48, int(free // per_layer) // 4 * 4))
+    # 1M rows an n-gram head (1.6 GB), not the model's 20M (32 GB): a token reads 16 rows whatever the size
     nxt = existing(stores["qwen3.8-flash-next"]) or build(stores["qwen3.8-flash-next"], "qwen3.8-flash-next",
-                                                         layers=layers, skew=args.skew)
+                                                         layers=layers, skew=args.skew,
+                                                         ngram_vocab_size_base=1_000_000)
     print(f"stores ready: qwen3-30b ({g.num_layers} layers), qwen3.8-flash-next ({nxt.geometry.num_layers} layers)")
 
 

@@ -3,7 +3,11 @@
 tensors are random bf16 named as the model expects. `skew` makes expert popularity uneven by scaling
 router rows (a larger row wins top-k more often), since random routers spread tokens evenly.
 
-python -m benchmarks.synthetic OUT --geometry qwen3-30b [--layers N] [--skew 1.0]
+"qwen3.8-flash-next" is the flagship's whole geometry: 48 layers (36 Gated DeltaNet, 12 QSA), one PLE block
+whose q4 n-gram table has 16 heads of `--ngram-rows` rows (the model's own: 20M, 32 GB; a token's cost does
+not depend on it). Values the public configs do not give are marked "inferred" below.
+
+python -m benchmarks.synthetic OUT --geometry qwen3-30b [--layers N] [--skew 1.0] [--ngram-rows N]
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ import os
 import torch
 
 from moestream.config import ModelConfig
-from moestream.experts.format import DENSE_FILE, MANIFEST, ExpertGeometry, Manifest, RecordLayout, experts_file
+from moestream.experts.format import (
+    DENSE_FILE,
+    MANIFEST,
+    ExpertGeometry,
+    Manifest,
+    NgramLayout,
+    RecordLayout,
+    experts_file,
+    ngram_file,
+)
 from moestream.models import model_class
 from moestream.packer.checks import file_check
 from moestream.packer.safetensors_io import SafetensorsWriter
@@ -34,8 +47,13 @@ GEOMETRIES = {
                                hc_count=4, hc_lowrank=320, rms_norm_eps=1e-6, eos_token_id=248044,
                                rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                                 "partial_rotary_factor": 0.25},
-                               full_attention_interval=4, tie_word_embeddings=False, output_gate_type="sigmoid"),
+                               full_attention_interval=4, tie_word_embeddings=False, output_gate_type="sigmoid",
+                               # inferred (cherenkov.md 1.1): QSA and the one PLE block
+                               indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048,
+                               indexer_compress_ratio=4, ple_layer_ids=[1], ple_embed_dim=2560, ngram_size=3,
+                               heads_per_ngram=8, ngram_vocab_size_base=20_000_000, ple_conv_kernel_size=4),
 }
+NGRAM_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
 
 # Random blocks add similar outputs to every token, and over 48 layers that common part swamps the token's
@@ -48,6 +66,7 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
     hf = dict(GEOMETRIES[geometry]) | overrides
     if layers:
         hf["num_hidden_layers"] = layers
+        hf["ple_layer_ids"] = [i for i in hf.get("ple_layer_ids", []) if i <= layers]
     if "full_attention_interval" in hf:
         n, k = hf["num_hidden_layers"], hf.pop("full_attention_interval")
         hf["layer_types"] = ["linear_attention" if (i + 1) % k else "full_attention" for i in range(n)]
@@ -57,9 +76,16 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
     dev = gen.device
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    specs = [(n, torch.bfloat16, tuple(t.shape)) for n, t in model.state_dict().items()]
+    hashing = {}
+    for layer in cfg.ple_layer_ids:
+        hashing |= {f"model.layers.{layer}.ple.ple_embedding.{k}": v
+                    for k, v in zip(NGRAM_BUFFERS, ngram_hashing(cfg, hf["ngram_vocab_size_base"], seed + layer))}
+    specs = [(n, torch.long if n in hashing else torch.bfloat16, tuple(t.shape)) for n, t in model.state_dict().items()]
     writer = SafetensorsWriter(os.path.join(out, DENSE_FILE), specs)
     for name, _, shape in specs:
+        if name in hashing:
+            writer.write(name, hashing[name])
+            continue
         if name.endswith("norm.weight") or "norm" in name.split(".")[-2]:
             t = torch.ones(shape) if not cfg.is_hybrid else torch.zeros(shape)
         else:
@@ -86,12 +112,41 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
                     recs[:, fld.offset: fld.offset + fld.nbytes].view(torch.bfloat16).fill_(
                         scale if fld.name.endswith("_s") else -7.5 * scale)
             f.write(recs.cpu().numpy().tobytes())
-    files = {name: file_check(os.path.join(out, name)) for name in (DENSE_FILE, experts_file("q4"))}
+    ngram = tuple(write_ngram_table(out, layer, hashing, cfg, gen) for layer in cfg.ple_layer_ids)
+    names = (DENSE_FILE, experts_file("q4"), *(ngram_file(n.layer) for n in ngram))
+    files = {name: file_check(os.path.join(out, name)) for name in names}
     manifest = Manifest(cfg.model_type, hf, {"kind": "synthetic", "geometry": geometry, "skew": skew}, "bfloat16", g,
-                        {"q4": layout}, (), (), files)
+                        {"q4": layout}, ngram, (), files)
     with open(os.path.join(out, MANIFEST), "w") as f:
         json.dump(manifest.to_json(), f, indent=1)
     return manifest
+
+
+def ngram_hashing(cfg: ModelConfig, rows_per_head: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A PLE block's hashing buffers: odd multipliers small enough that id * multiplier fits int64, and heads of
+    `rows_per_head` rows each (the model's are primes near it; any size hashes alike)."""
+    heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram
+    bound = ((1 << 63) - 1) // cfg.vocab_size // 2
+    multipliers = torch.randint(0, bound, (cfg.ngram_size,), generator=torch.Generator().manual_seed(seed)) * 2 + 1
+    sizes = torch.full((heads,), rows_per_head, dtype=torch.long)
+    return multipliers, sizes, torch.arange(heads, dtype=torch.long) * rows_per_head
+
+
+def write_ngram_table(out: str, layer: int, hashing: dict, cfg: ModelConfig, gen: torch.Generator) -> NgramLayout:
+    """Random q4 rows (group 32) with the scales the expert records get, written in chunks."""
+    prefix = f"model.layers.{layer}.ple.ple_embedding."
+    rows = int((hashing[prefix + "ngram_heads_offsets"] + hashing[prefix + "ngram_heads_vocab_sizes"]).max())
+    heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram
+    layout = NgramLayout.build(layer, rows, cfg.ple_embed_dim // heads, "q4")
+    groups = layout.dim // layout.group_size
+    with open(os.path.join(out, ngram_file(layer)), "wb") as f:
+        for start in range(0, rows, 1 << 22):
+            n = min(1 << 22, rows - start)
+            raw = torch.randint(0, 256, (n, layout.row_bytes), generator=gen, device=gen.device, dtype=torch.uint8)
+            scales = raw[:, layout.dim // 2:].view(torch.bfloat16)
+            scales[:, :groups], scales[:, groups:] = 0.002, -7.5 * 0.002
+            f.write(raw.cpu().numpy().tobytes())
+    return layout
 
 
 def main() -> None:
@@ -100,8 +155,10 @@ def main() -> None:
     p.add_argument("--geometry", default="qwen3-30b", choices=sorted(GEOMETRIES))
     p.add_argument("--layers", type=int)
     p.add_argument("--skew", type=float, default=0.0)
+    p.add_argument("--ngram-rows", type=int, help="rows per n-gram head (flash-next; default the model's 20M)")
     args = p.parse_args()
-    m = build(args.out, args.geometry, args.layers, args.skew)
+    extra = {"ngram_vocab_size_base": args.ngram_rows} if args.ngram_rows else {}
+    m = build(args.out, args.geometry, args.layers, args.skew, **extra)
     size = sum(f.size for f in m.files.values()) / 1e9
     print(f"wrote {args.geometry} ({m.geometry.num_layers} expert layers, {m.geometry.num_records} records): "
           f"{size:.1f} GB in {args.out}")

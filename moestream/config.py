@@ -274,6 +274,7 @@ def _indexer_fields(cfg: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, An
 # expert precision name -> bits; bf16 records hold the source weights unchanged
 PRECISIONS = {"q4": 4, "q3": 3, "q2": 2, "bf16": 16}
 DECODE_MODES = ("graph", "eager", "handshake")
+NGRAM_TIERS = ("auto", "host", "disk")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -333,6 +334,9 @@ class EngineConfig:
     prefix_cache_mb: float = 0.0  # host memory for prompt-prefix snapshots; 0 = off
     preload: bool | None = None  # load every record at start when the pool or host tier holds them; None: on CUDA
     warm: bool | None = None  # compile every kernel variant and capture the decode graph at load; None: on CUDA
+    # PLE n-gram tables: "host" (read whole into pinned memory; decode graphs read rows in place), "disk" (rows
+    # read per token; decode eager), "auto" (host when the machine has the memory free beyond the host tier)
+    ngram_tier: str = "auto"
 
     def __post_init__(self):
         _check(self.device in (None, "cuda", "cpu"), f"device {self.device!r}: choose cuda or cpu")
@@ -341,6 +345,7 @@ class EngineConfig:
         _check(self.decode_mode in DECODE_MODES, f"decode_mode {self.decode_mode!r}: choose {', '.join(DECODE_MODES)}")
         _check(self.max_context >= 1 and self.prefill_chunk >= 1, "need max_context >= 1 and prefill_chunk >= 1")
         _check(_finite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0, "prefix_cache_mb must be a number >= 0")
+        _check(self.ngram_tier in NGRAM_TIERS, f"ngram_tier {self.ngram_tier!r}: choose {', '.join(NGRAM_TIERS)}")
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """This config with fields replaced by name; ExpertConfig's fields may be named directly, and `experts` /

@@ -18,7 +18,7 @@ import torch
 from moestream.config import EngineConfig
 from moestream.engine import generate as gen
 from moestream.engine.decode import Decoder
-from moestream.engine.loader import load_model
+from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.prefix_cache import PrefixCache
 from moestream.engine.stream import RequestOutput, TextStream
 from moestream.errors import MoestreamError
@@ -43,7 +43,7 @@ class LLM:
         cfg = dataclasses.replace(cfg, device=device, dtype=dtype, expert=self._precisions(store, cfg.expert))
         self.engine_config, self.device, self.dtype = cfg, torch.device(device), getattr(torch, cfg.dtype)
         self.config = self.store.model  # the model (ModelConfig); engine options are in engine_config
-        self.model = load_model(self.store, self.device, self.dtype)
+        self.model = load_model(self.store, self.device, self.dtype, cfg.ngram_tier, cfg.expert.host_gb * 1e9)
         self.provider = ExpertProvider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok)
         blocks = self.model.moe_blocks()
         for block in blocks:
@@ -64,6 +64,8 @@ class LLM:
             # for a full pass over it (seen on the H200 as the first request's prefill running ~20% slow)
             gc.collect()
             gc.freeze()
+        for table in ngram_tables(self.model):  # the warm-up's rows are not a request's
+            table.reset_counts()
         if cfg.prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk)
 
@@ -171,7 +173,7 @@ class LLM:
             return ""
 
     def stats(self) -> dict:
-        return self.provider.snapshot()
+        return self.provider.snapshot() | {"ngram": ngram_stats(ngram_tables(self.model))}
 
     def close(self) -> None:
         self.provider.close()

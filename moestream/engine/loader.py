@@ -1,7 +1,9 @@
 """Building a model from a store: the module tree on the meta device, then the dense tensors by name, then
-the PLE n-gram tables as row readers over their store files (never loaded whole)."""
+the PLE n-gram tables, in host memory or read from their store files row by row (never on the GPU)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from safetensors.torch import load_file
@@ -15,7 +17,8 @@ from moestream.models import model_class
 IGNORED_PREFIXES = ("mtp.",)  # kept in the store for speculative decoding; not used by the trunk
 
 
-def load_model(store: Store, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tier: str = "auto",
+               host_reserved: float = 0.0) -> torch.nn.Module:
     cfg = store.model
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
@@ -39,16 +42,18 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype) -> torch.
             module.init_buffers(device)
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()
-    attach_ngram_tables(model, store)
+    attach_ngram_tables(model, store, device, ngram_tier, host_reserved)
     return model.eval().requires_grad_(False)
 
 
-def attach_ngram_tables(model: torch.nn.Module, store: Store) -> None:
-    """Give each PLE n-gram embedding its row reader (the tables stay on disk, read row by row)."""
+def attach_ngram_tables(model: torch.nn.Module, store: Store, device: torch.device, tier: str = "auto",
+                        host_reserved: float = 0.0) -> None:
+    """Give each PLE n-gram embedding its table: read whole into (pinned) host memory, where decode graphs read
+    its rows in place, or left on disk and read row by row. "auto" takes the host when the tables fit in the
+    memory the machine has free beyond `host_reserved` bytes (the expert host tier's budget)."""
     layouts = {n.layer: n for n in store.manifest.ngram}
-    for module in model.modules():
-        if not isinstance(module, NgramEmbedding):
-            continue
+    embeddings = [m for m in model.modules() if isinstance(m, NgramEmbedding)]
+    for module in embeddings:
         layout = layouts.get(module.layer)
         if layout is None:
             raise StoreError(f"{store.path} has no n-gram table for PLE layer {module.layer}")
@@ -57,3 +62,41 @@ def attach_ngram_tables(model: torch.nn.Module, store: Store) -> None:
             raise StoreError(f"{store.path}: n-gram table of layer {module.layer} is {layout.rows} x {layout.dim}, "
                              f"the model needs at least {needed} x {module.head_dim}")
         module.table = NgramTable(store.ngram_path(module.layer), layout)
+    total = sum(m.table.nbytes for m in embeddings)
+    if not total or tier == "disk" or (tier == "auto" and total > free_host_bytes() - host_reserved):
+        return
+    from moestream.engine.progress import progress_bar
+
+    with progress_bar("loading n-gram tables (MB)", total // 10**6) as advance:
+        done = 0
+        for module in embeddings:
+            module.table.load_host(device, lambda n, before=done: advance((before + n) // 10**6))
+            done += module.table.nbytes
+
+
+def ngram_tables(model: torch.nn.Module) -> list[NgramTable]:
+    return [m.table for m in model.modules() if isinstance(m, NgramEmbedding)]
+
+
+def ngram_stats(tables: list[NgramTable]) -> dict:
+    """Where the tables are and the rows read per tier (stats()["ngram"])."""
+    out = {"tier": "host" if tables and tables[0].host is not None else "disk" if tables else None,
+           "table_bytes": sum(t.nbytes for t in tables), "reads": {}}
+    for t in tables:
+        for tier, c in t.counts().items():
+            mine = out["reads"].setdefault(tier, {"rows": 0, "bytes": 0})
+            mine["rows"] += c["rows"]
+            mine["bytes"] += c["bytes"]
+    return out
+
+
+def free_host_bytes() -> int:
+    """Memory the machine has available (Linux MemAvailable; elsewhere, its free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,8 +1,10 @@
-"""Row reads from a PLE n-gram table file (`ngram.{layer}.bin`): only the rows asked for, never the table.
+"""A PLE n-gram table (`ngram.{layer}.bin`): fixed-stride rows, bf16 or MLX q4 `w | s | b` (decoded by
+`kernels.ops.ngram_rows`).
 
-Real tables hold tens of GB, so a lookup preads each needed row (runs of consecutive ids in one read)
-and returns them as float32. Rows are bf16, or MLX q4 `w | s | b`: `dim / 8` uint32 words of 4-bit
-codes (low nibble first), then a bf16 scale and a bf16 bias per group, `value = scale * code + bias`.
+Real tables hold tens of GB. On the host tier the whole table is read once into pinned host memory, where the
+GPU reads the rows each token needs in place (inside the decode graph); on disk, each forward preads only the
+rows it needs (runs of consecutive ids in one read). Rows are counted per tier: disk reads on the host, rows
+read in place by a device counter, since a graph replay runs no Python.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 
 from moestream.errors import StoreError
 from moestream.experts.format import NgramLayout
-from moestream.quant.affine import unpack_codes
+from moestream.experts.memory import host_buffer
+
+LOAD_CHUNK = 1 << 28  # bytes a read of the whole table asks for at a time
 
 
 class NgramTable:
@@ -26,22 +30,40 @@ class NgramTable:
             raise StoreError(f"{path} holds {size} bytes, its layout says {layout.rows * layout.row_bytes}")
         self.path, self.layout = path, layout
         self.fd = os.open(path, os.O_RDONLY)
-        self.rows_read = 0  # counters for tests and stats: rows and bytes fetched from the file
+        self.host = None  # the whole table [rows, row_bytes] when it lives on the host tier
+        self.rows_read = 0  # disk: distinct rows and bytes read from the file
         self.bytes_read = 0
+        self.host_rows = None  # host tier: rows read in place, counted on the compute device
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.rows * self.layout.row_bytes
 
     def __del__(self):
         if getattr(self, "fd", None) is not None:
             os.close(self.fd)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] (int) -> float32 [..., dim], read from the file on the CPU."""
+    def load_host(self, device: torch.device, advance=None) -> None:
+        """Read the whole table into host memory (pinned when `device` is CUDA, so kernels read it in place);
+        `advance(bytes_done)` reports progress."""
+        self.host = host_buffer(self.nbytes, device.type == "cuda").view(self.layout.rows, self.layout.row_bytes)
+        flat = self.host.view(-1).numpy()
+        for start in range(0, self.nbytes, LOAD_CHUNK):
+            end = min(start + LOAD_CHUNK, self.nbytes)
+            if os.preadv(self.fd, [memoryview(flat[start:end])], start) != end - start:
+                raise StoreError(f"{self.path} ended early at byte {start}")
+            if advance:
+                advance(end)
+        self.host_rows = torch.zeros((), dtype=torch.long, device=device)
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [...] (int) -> (the distinct rows' bytes [n, row_bytes] uint8, read from the file, and each id's
+        index among them [...])."""
         flat = ids.reshape(-1).cpu()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.layout.rows):
             raise IndexError(f"n-gram id out of range [0, {self.layout.rows}) in {self.path}")
         unique, inverse = torch.unique(flat, return_inverse=True)  # sorted, so runs are consecutive ids
-        raw = self._read(unique.numpy())
-        table = self._decode(torch.from_numpy(raw))
-        return table[inverse].reshape(*ids.shape, self.layout.dim)
+        return torch.from_numpy(self._read(unique.numpy())), inverse.view(ids.shape)
 
     def _read(self, ids: np.ndarray) -> np.ndarray:
         """Sorted unique row ids [n] -> their bytes [n, row_bytes]."""
@@ -56,14 +78,13 @@ class NgramTable:
         self.bytes_read += len(ids) * width
         return out
 
-    def _decode(self, raw: torch.Tensor) -> torch.Tensor:
-        """raw [n, row_bytes] uint8 -> float32 [n, dim]."""
-        dim = self.layout.dim
-        if self.layout.precision == "bf16":
-            return raw.view(torch.bfloat16).float()
-        groups = dim // self.layout.group_size
-        words = raw[:, : dim // 2].contiguous().view(torch.int32)
-        scales = raw[:, dim // 2: dim // 2 + 2 * groups].contiguous().view(torch.bfloat16).float()
-        biases = raw[:, dim // 2 + 2 * groups:].contiguous().view(torch.bfloat16).float()
-        codes = unpack_codes(words, 4).float().view(-1, groups, self.layout.group_size)
-        return (codes * scales[..., None] + biases[..., None]).view(-1, dim)
+    def reset_counts(self) -> None:
+        self.rows_read = self.bytes_read = 0
+        if self.host_rows is not None:
+            self.host_rows.zero_()
+
+    def counts(self) -> dict:
+        """Rows and bytes read per tier."""
+        host = int(self.host_rows) if self.host_rows is not None else 0
+        return {"host": {"rows": host, "bytes": host * self.layout.row_bytes},
+                "disk": {"rows": self.rows_read, "bytes": self.bytes_read}}

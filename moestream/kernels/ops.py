@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from moestream.experts.format import NgramLayout
 from moestream.experts.grouping import AddressedExperts, ExpertBatch
 from moestream.kernels import reference
 
@@ -101,6 +102,16 @@ def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype,
     if ids_out is None:
         return weights, ids
     return weights, ids_out.view(ids.shape).copy_(ids)
+
+
+def ngram_rows(table: torch.Tensor, ids: torch.Tensor, layout: NgramLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an n-gram table (uint8 [rows, row_bytes], device or pinned host memory), decoded to `dtype`
+    (reference.ngram_rows); the Triton version reads the table in place with no host sync."""
+    if use_triton(ids.device):
+        from moestream.kernels import ngram_rows as kernel
+
+        return kernel.ngram_rows(table, ids, layout, dtype)
+    return reference.ngram_rows(table, ids, layout, dtype)
 
 
 def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts, top_k: int, out: torch.Tensor) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moestream.experts.format import RecordLayout
-from moestream.quant.affine import dequantize
+from moestream.experts.format import NgramLayout, RecordLayout
+from moestream.quant.affine import dequantize, unpack_codes
 from moestream.quant.lowbit import dequantize_lowbit
 
 
@@ -94,6 +94,28 @@ def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout
         gate, up, down = expert_weights(buffer[slot], layout, x.dtype)
         rows = x[flat // top_k]
         out[flat] = (F.silu(rows @ gate.T) * (rows @ up.T)) @ down.T
+
+
+def ngram_decode(raw: torch.Tensor, layout: NgramLayout) -> torch.Tensor:
+    """Rows of an n-gram table, raw [n, row_bytes] uint8 -> float32 [n, dim]: bf16 values, or MLX q4 `w | s | b`
+    (codes low nibble first, then a bf16 scale and bias per group, `value = scale * code + bias`)."""
+    dim = layout.dim
+    if layout.precision == "bf16":
+        return raw[:, : 2 * dim].contiguous().view(torch.bfloat16).float()
+    groups = dim // layout.group_size
+    words = raw[:, : dim // 2].contiguous().view(torch.int32)
+    scales = raw[:, dim // 2: dim // 2 + 2 * groups].contiguous().view(torch.bfloat16).float()
+    biases = raw[:, dim // 2 + 2 * groups: dim // 2 + 4 * groups].contiguous().view(torch.bfloat16).float()
+    codes = unpack_codes(words, 4).float().view(-1, groups, layout.group_size)
+    return (codes * scales[..., None] + biases[..., None]).view(-1, dim)
+
+
+def ngram_rows(table: torch.Tensor, ids: torch.Tensor, layout: NgramLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` [...] (int64) of an n-gram table (uint8 [rows, row_bytes], on the host or the device), decoded
+    -> [..., dim] in `dtype` on ids' device."""
+    raw = table[ids.reshape(-1).to(table.device)]
+    rows = ngram_decode(raw, layout).to(ids.device, dtype)
+    return rows.view(*ids.shape, layout.dim)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

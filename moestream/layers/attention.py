@@ -33,12 +33,16 @@ class KVCache:
             self.k = torch.cat([self.k, self.k.new_zeros(extra, *self.k.shape[1:])])
             self.v = torch.cat([self.v, self.v.new_zeros(extra, *self.v.shape[1:])])
 
+    def make_room(self, end: int) -> None:
+        """Room for rows up to `end`, grown by doubling (eager steps grow one row at a time)."""
+        if end > self.k.shape[0]:
+            self.reserve(max(end, 2 * self.k.shape[0]))
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v [T, kv_heads, head_dim] after the first `length` rows; returns every row up to them. The
         length moves on with the sequence (`advance`)."""
         end = self.length + k.shape[0]
-        if end > self.k.shape[0]:
-            self.reserve(max(end, 2 * self.k.shape[0]))
+        self.make_room(end)
         self.k[self.length: end] = k
         self.v[self.length: end] = v
         return self.k[:end], self.v[:end]

@@ -6,10 +6,11 @@ The normalised streams gate the value (a signed-sqrt dot-product gate), and a di
 conv over the gated values adds local context. Returns [T, hc * H], added to the streams.
 
 An n-gram never reaches across an EOS token: positions before the segment start read as EOS, and so
-does everything before the first token. The table rows come from the store file through `table`
-(an `NgramTable` the loader attaches); the module itself holds only the small hashing buffers.
-`PLEState` carries the last `ngram_size - 1` ids and the conv history, so prefill followed by single
-steps equals one forward.
+does everything before the first token. The table rows come through `table` (an `NgramTable` the loader
+attaches: in pinned host memory, read in place by a kernel, or on disk, read row by row); the module
+itself holds only the small hashing buffers. `PLEState` carries the last `ngram_size - 1` ids and the conv
+history, updated in place, so prefill followed by single steps equals one forward and a decode step with
+the table on the host tier can be captured.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelConfig
+from moestream.kernels import ops
 from moestream.layers.norm import RMSNorm
 
 
@@ -34,8 +36,12 @@ class PLEState:
         return PLEState(self.context.clone(), self.conv.clone())
 
     def load(self, other: PLEState) -> None:
-        # copies: the forward replaces these tensors, and a cached snapshot must never change
-        self.context, self.conv = other.context.to(self.context.device).clone(), other.conv.to(self.conv.device).clone()
+        self.context.copy_(other.context)
+        self.conv.copy_(other.conv)
+
+    def reset(self, eos: int) -> None:
+        self.context.fill_(eos)
+        self.conv.zero_()
 
 
 def shift_within_segments(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
@@ -80,17 +86,27 @@ class NgramEmbedding(nn.Module):
                           + self.ngram_heads_offsets[heads][None])
         return torch.cat(blocks, dim=-1)[context.shape[0]:]
 
+    @property
+    def graph_safe(self) -> bool:
+        """Rows read in place from the host tier need no host decision; rows read from disk do."""
+        return self.table is not None and self.table.host is not None
+
     def forward(self, ids: torch.Tensor, context: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [T] -> [T, heads * head_dim] in `dtype`."""
-        if self.table is None:
+        table = self.table
+        if table is None:
             raise RuntimeError(f"layer {self.layer}: no n-gram table attached (load the model through a store)")
-        rows = self.table.rows(self.ngram_ids(ids, context))  # [T, heads, head_dim] float32
-        return rows.to(device=ids.device, dtype=dtype).flatten(-2)
+        row_ids = self.ngram_ids(ids, context)  # [T, heads]
+        if table.host is not None:
+            table.host_rows.add_(row_ids.numel())
+            rows = ops.ngram_rows(table.host, row_ids, table.layout, dtype)
+        else:
+            raw, inverse = table.read(row_ids)
+            rows = ops.ngram_rows(raw.to(ids.device), inverse.to(ids.device), table.layout, dtype)
+        return rows.flatten(-2)
 
 
 class PLE(nn.Module):
-    graph_safe = False  # its n-gram rows are read on the host, token by token
-
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.streams, self.hidden = cfg.hc_count, cfg.hidden_size
@@ -114,7 +130,7 @@ class PLE(nn.Module):
     def forward(self, streams: torch.Tensor, ids: torch.Tensor, state: PLEState) -> torch.Tensor:
         """streams [T, hc * H], ids [T] -> the PLE update [T, hc * H]; advances `state`."""
         embedded = self.ple_embedding(ids, state.context, streams.dtype)  # [T, ple_embed_dim]
-        state.context = torch.cat([state.context, ids])[ids.shape[0]:]
+        state.context.copy_(torch.cat([state.context, ids])[ids.shape[0]:])
         keys = self.norm_key(self.key_proj(embedded)).unflatten(-1, (self.streams, self.hidden))
         queries = self.norm_query(streams).unflatten(-1, (self.streams, self.hidden))
         gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
@@ -125,6 +141,6 @@ class PLE(nn.Module):
     def _conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
         """Dilated causal depthwise conv + SiLU over x [T, C], continuing from the state's history."""
         full = torch.cat([state.conv.to(x.dtype), x])  # [history + T, C]
-        state.conv = full[full.shape[0] - self.history:]
+        state.conv.copy_(full[full.shape[0] - self.history:])
         out = F.conv1d(full.T[None], self.conv1d.weight.to(x.dtype), groups=x.shape[1], dilation=self.dilation)
         return F.silu(out[0].T)

@@ -6,10 +6,11 @@ at the block's first position). A query at position p scores the blocks complete
 plus the tail of its incomplete block (tokens `ratio * complete .. p`). While every query can see at most
 `budget + ratio - 1` tokens this is plain causal attention.
 
-Selection is vectorised over queries (chunked to bound memory). Where the k-th and (k+1)-th best scores
-tie exactly, the choice is `torch.topk` over the query's complete blocks, as in the reference; this
-happens with few indexer heads, when relu zeroes several blocks. `QSACache` keeps, besides K and V,
-the block keys of complete blocks and the raw index keys of the incomplete last block.
+Eager selection is vectorised over queries (chunked to bound memory). Where the k-th and (k+1)-th best
+scores tie exactly (with few indexer heads, when relu zeroes several blocks) it resolves them as the
+reference's `torch.topk` over the query's complete blocks does. The static step (one token, captured in
+CUDA graphs) scores every block the reserved cache can hold, masked by the device-side position, and breaks
+such ties by the lower block index, since no host decision may run there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelConfig
+from moestream.kernels import ops
 from moestream.layers.attention import Attention, KVCache, causal_attention
 from moestream.layers.context import StepContext
 from moestream.layers.norm import RMSNorm
@@ -30,38 +32,39 @@ QUERY_CHUNK_ELEMENTS = 1 << 24  # gathered K/V elements per chunk of queries
 
 
 class QSACache(KVCache):
-    """KV cache plus the indexer's state: block keys [blocks, Di] and pending raw index keys [< ratio, Di]."""
+    """KV cache plus the indexer's raw key of every position [capacity, Di] and the key of every complete block
+    [capacity // ratio + 1, Di]; the last block row takes a static step's write while its block is incomplete."""
 
-    def __init__(self, kv_heads: int, head_dim: int, index_dim: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(kv_heads, head_dim, dtype, device)
-        self.block_keys = torch.empty(64, index_dim, dtype=dtype, device=device)
-        self.num_blocks = 0
-        self.pending = torch.empty(0, index_dim, dtype=dtype, device=device)
+    def __init__(self, kv_heads: int, head_dim: int, index_dim: int, ratio: int, dtype: torch.dtype,
+                 device: torch.device, capacity: int = 64):
+        super().__init__(kv_heads, head_dim, dtype, device, capacity)
+        self.ratio = ratio
+        self.index_keys = torch.zeros(capacity, index_dim, dtype=dtype, device=device)
+        self.block_keys = torch.zeros(capacity // ratio + 1, index_dim, dtype=dtype, device=device)
 
-    def add_blocks(self, keys: torch.Tensor) -> torch.Tensor:
-        """Appends block keys [n, Di]; returns every block key so far."""
-        end = self.num_blocks + keys.shape[0]
-        if end > self.block_keys.shape[0]:
-            grown = self.block_keys.new_empty(max(end, 2 * self.block_keys.shape[0]), self.block_keys.shape[1])
-            grown[: self.num_blocks] = self.block_keys[: self.num_blocks]
-            self.block_keys = grown
-        self.block_keys[self.num_blocks: end] = keys
-        self.num_blocks = end
-        return self.block_keys[:end]
+    def reserve(self, capacity: int) -> None:
+        super().reserve(capacity)
+        rows = self.k.shape[0]
+        self.index_keys = _grown(self.index_keys, rows)
+        self.block_keys = _grown(self.block_keys, rows // self.ratio + 1)
 
     def load(self, other: QSACache) -> None:
         super().load(other)
-        self.num_blocks = 0
-        self.add_blocks(other.block_keys[: other.num_blocks].to(self.block_keys.device))
-        self.pending = other.pending.to(self.pending.device).clone()
+        blocks = other.length // self.ratio
+        self.index_keys[: other.length].copy_(other.index_keys[: other.length])
+        self.block_keys[:blocks].copy_(other.block_keys[:blocks])
 
     def snapshot(self) -> QSACache:
         out = QSACache.__new__(QSACache)
         base = super().snapshot()
-        out.k, out.v, out.length = base.k, base.v, base.length
-        out.block_keys, out.num_blocks = self.block_keys[: self.num_blocks].clone(), self.num_blocks
-        out.pending = self.pending.clone()
+        out.k, out.v, out.length, out.ratio = base.k, base.v, base.length, self.ratio
+        out.index_keys = self.index_keys[: self.length].clone()
+        out.block_keys = self.block_keys[: self.length // self.ratio].clone()
         return out
+
+
+def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if rows <= t.shape[0] else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 class Indexer(nn.Module):
@@ -75,27 +78,52 @@ class Indexer(nn.Module):
         self.k_layernorm = RMSNorm(self.dim, cfg.rms_norm_eps, zero_centered=True)
         self.rotary = Rotary(cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta)  # block keys' positions
 
-    def forward(self, x: torch.Tensor, rope, cache: QSACache) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> index queries [T, Hi, Di] and every block key [blocks, Di]; advances the block state."""
-        t = x.shape[0]
+    def queries_and_keys(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> index queries [T, Hi, Di] (normed, rotated) and raw index keys [T, Di]."""
         q, raw_keys = self.index_qk_proj(x).split([self.heads * self.dim, self.dim], dim=-1)
-        q = apply_rotary(self.q_layernorm(q.view(t, self.heads, self.dim)), *rope)
-        pending = torch.cat([cache.pending, raw_keys])
-        n = pending.shape[0] // self.ratio
-        blocks = cache.block_keys[: cache.num_blocks]
-        if n:
-            pooled = pending[: n * self.ratio].view(n, self.ratio, self.dim).float().mean(dim=1).to(x.dtype)
-            starts = (cache.num_blocks + torch.arange(n, device=x.device)) * self.ratio
-            cos, sin = self.rotary.cos_sin(starts, x.dtype)
-            blocks = cache.add_blocks(apply_rotary(self.k_layernorm(pooled)[:, None], cos, sin)[:, 0])
-        cache.pending = pending[n * self.ratio:].clone()
-        return q, blocks
+        return apply_rotary(self.q_layernorm(q.view(x.shape[0], self.heads, self.dim)), *rope), raw_keys
+
+    def block_keys(self, raw: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """raw index keys [n, ratio, Di] of n blocks starting at `starts` [n] -> their block keys [n, Di]."""
+        pooled = raw.float().mean(dim=1).to(raw.dtype)
+        cos, sin = self.rotary.cos_sin(starts, raw.dtype)
+        return apply_rotary(self.k_layernorm(pooled)[:, None], cos, sin)[:, 0]
+
+    def forward(self, x: torch.Tensor, rope, cache: QSACache) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] after the cache's `length` -> index queries and every complete block key [blocks, Di]."""
+        start, end = cache.length, cache.length + x.shape[0]
+        q, raw_keys = self.queries_and_keys(x, rope)
+        cache.make_room(end)
+        cache.index_keys[start:end] = raw_keys
+        first, complete = start // self.ratio, end // self.ratio
+        if complete > first:
+            raw = cache.index_keys[first * self.ratio: complete * self.ratio].view(-1, self.ratio, self.dim)
+            starts = torch.arange(first, complete, device=x.device) * self.ratio
+            cache.block_keys[first:complete] = self.block_keys(raw, starts)
+        return q, cache.block_keys[:complete]
+
+    def static_step(self, x: torch.Tensor, rope, position: torch.Tensor, cache: QSACache) -> torch.Tensor:
+        """One token at device-side `position` [1]: its raw key stored, and the key of the block it completes
+        (or of none: the spare last row) written, with fixed shapes. Returns its index queries [1, Hi, Di]."""
+        q, raw_key = self.queries_and_keys(x, rope)
+        cache.index_keys.index_copy_(0, position, raw_key)
+        start = (position + 1 - self.ratio).clamp_min(0)
+        raw = cache.index_keys[start + torch.arange(self.ratio, device=x.device)][None]
+        done = (position + 1) % self.ratio == 0
+        spare = torch.full_like(position, cache.block_keys.shape[0] - 1)
+        cache.block_keys.index_copy_(0, torch.where(done, (position + 1) // self.ratio - 1, spare),
+                                     self.block_keys(raw, start))
+        return q
+
+    def scores(self, q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """q [T, Hi, Di], blocks [B, Di] -> [T, B] float32, each >= 0."""
+        scores = torch.matmul(q.float(), blocks.float().T).transpose(-1, -2)  # [T, B, Hi]
+        return torch.relu(scores).sum(dim=-1) / math.sqrt(self.dim)
 
     def select(self, q: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor):
         """q [T, Hi, Di], blocks [B, Di], positions [T] -> token ids [T, S] and their validity [T, S]."""
         complete = (positions + 1) // self.ratio  # blocks each query may choose from (a prefix)
-        scores = torch.matmul(q.float(), blocks.float().T).transpose(-1, -2)  # [T, B, Hi]
-        scores = torch.relu(scores).sum(dim=-1) / math.sqrt(self.dim)  # [T, B]
+        scores = self.scores(q, blocks)
         k = min(self.block_topk, blocks.shape[0])
         allowed = torch.arange(blocks.shape[0], device=q.device)[None] < complete[:, None]
         top = scores.masked_fill(~allowed, float("-inf")).topk(min(k + 1, blocks.shape[0]), dim=-1)
@@ -105,31 +133,44 @@ class Indexer(nn.Module):
             for n in torch.unique(complete[tied]).tolist():  # rare: resolve as topk over the prefix does
                 rows = torch.nonzero(tied & (complete == n)).flatten()
                 chosen[rows] = scores[rows, :n].topk(k, dim=-1).indices
-        chosen = torch.where(chosen_ok, chosen, blocks.shape[0]).sort(dim=-1).values  # invalid ones last
-        offsets = torch.arange(self.ratio, device=q.device)
+        return self._tokens(chosen, chosen_ok, complete, positions, blocks.shape[0])
+
+    def select_static(self, q: torch.Tensor, blocks: torch.Tensor, position: torch.Tensor):
+        """`select` for one query at device-side `position` [1] over every block row the cache can hold [B, Di],
+        with fixed shapes; exact ties go to the lower block index."""
+        complete = (position + 1) // self.ratio
+        index = torch.arange(blocks.shape[0], device=q.device)
+        allowed = index[None] < complete[:, None]
+        # non-negative float32 scores order as their bits, so (bits, -index) is one exact int64 key
+        key = (self.scores(q, blocks).view(torch.int32).long() << 31) | ((1 << 31) - 1 - index)
+        chosen = key.masked_fill(~allowed, -1).topk(min(self.block_topk, blocks.shape[0]), dim=-1).indices
+        return self._tokens(chosen, allowed.gather(1, chosen), complete, position, blocks.shape[0])
+
+    def _tokens(self, chosen, chosen_ok, complete, positions, blocks: int):
+        """Chosen blocks [T, k] (valid where chosen_ok) -> token ids [T, S] and their validity, blocks in order."""
+        chosen = torch.where(chosen_ok, chosen, blocks).sort(dim=-1).values  # invalid ones last
+        offsets = torch.arange(self.ratio, device=chosen.device)
         block_tokens = (chosen[:, :, None] * self.ratio + offsets).flatten(1)  # [T, k * ratio]
         tail = complete[:, None] * self.ratio + offsets[: self.ratio - 1]  # [T, ratio - 1]
         ids = torch.cat([block_tokens, tail], dim=1)
-        ok = torch.cat([(chosen < blocks.shape[0]).repeat_interleave(self.ratio, dim=1),
-                        tail <= positions[:, None]], dim=1)
+        ok = torch.cat([(chosen < blocks).repeat_interleave(self.ratio, dim=1), tail <= positions[:, None]], dim=1)
         return ids.clamp_max(positions.max()), ok
 
 
 class IndexedAttention(Attention):
-    """Gated attention (zero-centred q/k norms) whose queries see only the tokens the indexer selects. Its block
-    selection has no static form yet, so a step through it is not captured."""
-
-    graph_safe = False
+    """Gated attention (zero-centred q/k norms) whose queries see only the tokens the indexer selects."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, qk_norm=True, output_gate=True, zero_centered=True)
         self.indexer = Indexer(cfg)
 
     def new_state(self, dtype: torch.dtype, device: torch.device) -> QSACache:
-        return QSACache(self.kv_heads, self.head_dim, self.indexer.dim, dtype, device)
+        return QSACache(self.kv_heads, self.head_dim, self.indexer.dim, self.indexer.ratio, dtype, device)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: QSACache,
                 ctx: StepContext) -> torch.Tensor:
+        if ctx.static:
+            return self._static(x, rope, ctx.positions, cache)
         t, start = x.shape[0], cache.length
         index_q, blocks = self.indexer(x, rope, cache)
         q, k, v, gate = self.project(x, rope)
@@ -140,14 +181,26 @@ class IndexedAttention(Attention):
         positions = torch.arange(start, start + t, device=x.device)
         per_query = (self.indexer.budget + self.indexer.ratio - 1) * self.kv_heads * self.head_dim
         chunk = max(1, QUERY_CHUNK_ELEMENTS // per_query)
-        out = torch.cat([self._sparse(q[i: i + chunk], index_q[i: i + chunk], blocks, positions[i: i + chunk],
-                                      keys, values, scale) for i in range(0, t, chunk)])
-        return self.finish(out, gate)
+        out = []
+        for i in range(0, t, chunk):
+            ids, ok = self.indexer.select(index_q[i: i + chunk], blocks, positions[i: i + chunk])
+            out.append(_attend(q[i: i + chunk], ids, ok, keys, values, scale))
+        return self.finish(torch.cat(out), gate)
 
-    def _sparse(self, q, index_q, blocks, positions, keys, values, scale) -> torch.Tensor:
-        """q [T, Hq, D] attends to its selected rows of keys, values [L, Hkv, D] -> [T, Hq, D]."""
-        ids, ok = self.indexer.select(index_q, blocks, positions)  # [T, S]
-        k, v = keys[ids].transpose(1, 2), values[ids].transpose(1, 2)  # [T, Hkv, S, D]
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=ok[:, None, None], scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out[:, :, 0]
+    def _static(self, x: torch.Tensor, rope, position: torch.Tensor, cache: QSACache) -> torch.Tensor:
+        """One token at device-side `position` [1] with fixed shapes (captured in the decode graph)."""
+        qkv = self.qkv(x)
+        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
+                                   self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, *rope, cache.k,
+                                   cache.v, position)
+        index_q = self.indexer.static_step(x, rope, position, cache)
+        ids, ok = self.indexer.select_static(index_q, cache.block_keys[:-1], position)
+        return self.finish(_attend(q, ids, ok, cache.k, cache.v, self.head_dim ** -0.5), self.gate_of(qkv))
+
+
+def _attend(q, ids, ok, keys, values, scale) -> torch.Tensor:
+    """q [T, Hq, D] attends to its selected rows `ids` [T, S] (valid where `ok`) of keys, values [L, Hkv, D]."""
+    k, v = keys[ids].transpose(1, 2), values[ids].transpose(1, 2)  # [T, Hkv, S, D]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=ok[:, None, None], scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[:, :, 0]

@@ -33,16 +33,21 @@ from moestream.models.base import CausalLM, ModelSpec
 class PLELayerState:
     mixer: DeltaNetState
     ple: PLEState
+    eos: int  # what the n-gram context reads before the first token
 
     def snapshot(self) -> PLELayerState:
-        return PLELayerState(self.mixer.snapshot(), self.ple.snapshot())
+        return PLELayerState(self.mixer.snapshot(), self.ple.snapshot(), self.eos)
 
     def load(self, other: PLELayerState) -> None:
         self.mixer.load(other.mixer)
         self.ple.load(other.ple)
 
     def advance(self, rows: int) -> None:
-        self.mixer.advance(rows)  # the PLE state moves on in the forward (never captured)
+        self.mixer.advance(rows)  # the PLE state moves on in the forward, in place
+
+    def reset(self) -> None:
+        self.mixer.reset()
+        self.ple.reset(self.eos)
 
 
 class HyperDecoderLayer(nn.Module):
@@ -66,7 +71,9 @@ class HyperDecoderLayer(nn.Module):
 
     def new_state(self, dtype: torch.dtype, device: torch.device):
         state = self.mixer.new_state(dtype, device)
-        return state if self.ple is None else PLELayerState(state, self.ple.new_state(dtype, device))
+        if self.ple is None:
+            return state
+        return PLELayerState(state, self.ple.new_state(dtype, device), self.ple.ple_embedding.eos)
 
     def forward(self, streams: torch.Tensor, ids: torch.Tensor, rope, state, ctx: StepContext) -> torch.Tensor:
         """streams [T, hc * H], ids [T] -> streams [T, hc * H]."""

@@ -34,5 +34,7 @@ def static_hyper_store(path: str) -> str:
     build(path, "qwen3.8-flash-next", layers=4, vocab_size=320, hidden_size=64, num_attention_heads=4,
           num_key_value_heads=2, head_dim=16, moe_intermediate_size=64, shared_expert_intermediate_size=64,
           num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
-          linear_key_head_dim=16, linear_value_head_dim=16, hc_count=2, hc_lowrank=16)
+          linear_key_head_dim=16, linear_value_head_dim=16, hc_count=2, hc_lowrank=16, ple_layer_ids=[],
+          indexer_n_heads=None, indexer_kv_heads=None, indexer_head_dim=None, indexer_budget=None,
+          indexer_compress_ratio=None)
     return path

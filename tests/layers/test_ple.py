@@ -9,6 +9,7 @@ import torch
 from moestream.engine.llm import LLM
 from moestream.experts.format import NgramLayout
 from moestream.experts.ngram import NgramTable
+from moestream.kernels import reference
 from moestream.layers.ple import shift_within_segments
 from moestream.quant.affine import dequantize, quantize
 from tests.packer.helpers import load_manifest, source_tensors
@@ -26,9 +27,12 @@ def test_ngram_table_reads_the_checkpoint_rows(tiny):
     table = NgramTable(os.path.join(store, f"ngram.{layout.layer}.bin"), layout)
     expected = source_table(tiny.checkpoint("qwen4_exp"))
     ids = torch.tensor([[7, 0, layout.rows - 1], [7, 3000, 8]])  # unsorted, repeated, both ends
-    assert torch.equal(table.rows(ids), expected[ids])
+    raw, inverse = table.read(ids)
+    assert torch.equal(reference.ngram_rows(raw, inverse, layout, torch.float32), expected[ids])
     assert table.rows_read == 5  # each distinct row once
-    assert torch.equal(table.rows(torch.arange(layout.rows)), expected)
+    table.load_host(torch.device("cpu"))
+    assert torch.equal(reference.ngram_rows(table.host, ids, layout, torch.float32), expected[ids])
+    assert table.rows_read == 5 and table.host.shape == (layout.rows, layout.row_bytes)
 
 
 def test_q4_rows_dequantize_like_mlx(tmp_path):
@@ -41,7 +45,8 @@ def test_q4_rows_dequantize_like_mlx(tmp_path):
     path = tmp_path / "ngram.0.bin"
     path.write_bytes(raw.numpy().tobytes())
     ids = torch.tensor([99, 3, 4, 5, 3, 0])
-    got = NgramTable(str(path), layout).rows(ids)
+    raw, inverse = NgramTable(str(path), layout).read(ids)
+    got = reference.ngram_rows(raw, inverse, layout, torch.float32)
     assert torch.equal(got, dequantize(packed, scales, biases, 4, group)[ids])
 
 
@@ -58,7 +63,7 @@ def test_eos_shift_matches_transformers():
 
 
 def test_a_forward_reads_only_the_rows_it_needs(tiny, monkeypatch):
-    llm = LLM(tiny.store("qwen4_exp"), device="cpu", dtype="float32", experts=16)
+    llm = LLM(tiny.store("qwen4_exp"), device="cpu", dtype="float32", experts=16, ngram_tier="disk")
     (ple,) = [m for m in llm.model.modules() if type(m).__name__ == "NgramEmbedding"]
     table, layout = ple.table, ple.table.layout
     reads = []
@@ -75,3 +80,21 @@ def test_a_forward_reads_only_the_rows_it_needs(tiny, monkeypatch):
     assert 0 < sum(reads) <= tokens * heads * layout.row_bytes < layout.rows * layout.row_bytes
     table_size = layout.rows * layout.dim
     assert all(t.numel() < table_size for t in llm.model.state_dict().values())
+
+
+def test_rows_are_counted_per_tier_and_the_host_table_never_reaches_the_model(tiny):
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for tier in ("disk", "host"):
+        llm = LLM(tiny.store("qwen4_exp"), device="cpu", dtype="float32", ngram_tier=tier)
+        try:
+            logits[tier] = llm.logits(ids)
+            stats = llm.stats()["ngram"]
+            heads = stats["reads"]["host"]["rows"] if tier == "host" else stats["reads"]["disk"]["rows"]
+            assert stats["tier"] == tier and heads > 0, stats
+            assert stats["reads"]["disk" if tier == "host" else "host"]["rows"] == 0
+            if tier == "host":  # every token reads each of its n-gram heads' rows
+                assert heads == 24 * 4 and llm.model.graph_safe
+        finally:
+            llm.close()
+    assert torch.equal(logits["disk"], logits["host"])
