@@ -6,29 +6,32 @@ at the block's first position). A query at position p scores the blocks complete
 plus the tail of its incomplete block (tokens `ratio * complete .. p`). While every query can see at most
 `budget + ratio - 1` tokens this is plain causal attention.
 
-Eager selection is vectorised over queries (chunked to bound memory). Where the k-th and (k+1)-th best
-scores tie exactly (with few indexer heads, when relu zeroes several blocks) it resolves them as the
-reference's `torch.topk` over the query's complete blocks does. The static step (one token, captured in
+A prefill attends over every key with its queries' selections as a mask (chunked to bound memory), so each
+key is read once, not once for each query that chose it. Eager selection is vectorised over queries. Where
+the k-th and (k+1)-th best scores tie exactly (with few indexer heads, when relu zeroes several blocks) it
+resolves them as the reference's `torch.topk` over the query's complete blocks does. The static step (one token, captured in
 CUDA graphs) scores every block the reserved cache can hold, masked by the device-side position, and breaks
 such ties by the lower block index, since no host decision may run there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from moestream.config import ModelConfig
 from moestream.kernels import ops
-from moestream.layers.attention import Attention, KVCache, causal_attention
+from moestream.layers.attention import PREFILL_BACKENDS, Attention, KVCache, causal_attention
 from moestream.layers.context import StepContext
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import Rotary, apply_rotary
 
-QUERY_CHUNK_ELEMENTS = 1 << 24  # gathered K/V elements per chunk of queries
+QUERY_CHUNK_ELEMENTS = 1 << 26  # mask elements (queries x keys) per chunk of a prefill
 
 
 class QSACache(KVCache):
@@ -179,12 +182,13 @@ class IndexedAttention(Attention):
         if keys.shape[0] < self.indexer.budget + self.indexer.ratio:  # every visible token is selected
             return self.finish(causal_attention(q, keys, values, scale), gate)
         positions = torch.arange(start, start + t, device=x.device)
-        per_query = (self.indexer.budget + self.indexer.ratio - 1) * self.kv_heads * self.head_dim
-        chunk = max(1, QUERY_CHUNK_ELEMENTS // per_query)
+        chunk = max(1, QUERY_CHUNK_ELEMENTS // keys.shape[0])
+        groups = self.heads // self.kv_heads  # a masked SDPA with GQA may take the math kernel: expand instead
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         out = []
         for i in range(0, t, chunk):
             ids, ok = self.indexer.select(index_q[i: i + chunk], blocks, positions[i: i + chunk])
-            out.append(_attend(q[i: i + chunk], ids, ok, keys, values, scale))
+            out.append(_attend_masked(q[i: i + chunk], ids, ok, keys, values, scale))
         return self.finish(torch.cat(out), gate)
 
     def _static(self, x: torch.Tensor, rope, position: torch.Tensor, cache: QSACache) -> torch.Tensor:
@@ -196,6 +200,17 @@ class IndexedAttention(Attention):
         index_q = self.indexer.static_step(x, rope, position, cache)
         ids, ok = self.indexer.select_static(index_q, cache.block_keys[:-1], position)
         return self.finish(_attend(q, ids, ok, cache.k, cache.v, self.head_dim ** -0.5), self.gate_of(qkv))
+
+
+def _attend_masked(q, ids, ok, keys, values, scale) -> torch.Tensor:
+    """`_attend` for many queries: each over every row of keys, values [L, Hq, D] with its selection as a mask,
+    which reads each key once where gathering them read it once a query that chose it."""
+    mask = torch.zeros(q.shape[0], keys.shape[0] + 1, dtype=torch.bool, device=q.device)
+    mask = mask.scatter(1, torch.where(ok, ids, keys.shape[0]), True)[:, :-1]  # unselected ids land in the spare
+    with sdpa_kernel(PREFILL_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                             values.transpose(0, 1)[None], attn_mask=mask[None, None], scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _attend(q, ids, ok, keys, values, scale) -> torch.Tensor:
