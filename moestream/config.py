@@ -326,6 +326,9 @@ class EngineConfig:
     device: str | None = None  # "cuda" or "cpu"; None: cuda when a GPU is present
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     expert: ExpertConfig = field(default_factory=ExpertConfig)
+    # GPU memory the engine may take (decimal GB): dense weights, decode state, activations, ring, and the expert
+    # pool, which gets what is left (engine/memory.py); None: the pool is sized from free memory
+    gpu_gb: float | None = None
     # decode steps: "graph" (captured once every record is addressable), "eager" (the same static step, never
     # captured: to time graphs against) or "handshake" (every layer routed through the host: invariance tests)
     decode_mode: str = "graph"
@@ -345,6 +348,7 @@ class EngineConfig:
         _check(self.decode_mode in DECODE_MODES, f"decode_mode {self.decode_mode!r}: choose {', '.join(DECODE_MODES)}")
         _check(self.max_context >= 1 and self.prefill_chunk >= 1, "need max_context >= 1 and prefill_chunk >= 1")
         _check(_finite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0, "prefix_cache_mb must be a number >= 0")
+        _check(_finite(self.gpu_gb) and (self.gpu_gb is None or self.gpu_gb > 0), "--gpu-gb must be a number > 0")
         _check(self.ngram_tier in NGRAM_TIERS, f"ngram_tier {self.ngram_tier!r}: choose {', '.join(NGRAM_TIERS)}")
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:

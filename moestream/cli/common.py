@@ -16,7 +16,13 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is present, else cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--gpu-gb", type=float,
+                   help="GPU memory the engine may take in decimal GB: dense weights, decode state, activations, "
+                        "ring and the expert pool, which gets the rest (default: the pool from free memory)")
     p.add_argument("--pool-gb", type=float, help="GPU expert pool in decimal GB (default: from free memory)")
+    p.add_argument("--ngram-tier", choices=["auto", "host", "disk"],
+                   help="qwen4_exp's n-gram tables: pinned host memory (decode graphed), disk, or host when it fits "
+                        f"(default {defaults.ngram_tier})")
     p.add_argument("--host-gb", type=float, help=f"pinned host-RAM expert tier in GB (default {e.host_gb:g}: off)")
     p.add_argument("--experts", type=int, choices=[4, 3, 2, 16],
                    help="expert precision (default: what the store holds, 4-bit first)")
@@ -40,8 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
                         f"layer (default {defaults.decode_mode})")
 
 
-ENGINE_ARGS = ("device", "dtype", "pool_gb", "host_gb", "experts", "miss_experts", "ring_slots", "ring_group",
-               "lookahead", "ring_lookahead", "max_context", "prefill_chunk", "prefix_cache_mb", "decode_mode")
+ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",
+               "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "prefill_chunk",
+               "prefix_cache_mb", "decode_mode")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

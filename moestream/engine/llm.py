@@ -19,9 +19,10 @@ from moestream.config import EngineConfig
 from moestream.engine import generate as gen
 from moestream.engine.decode import Decoder
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
+from moestream.engine.memory import activation_bytes, dense_bytes, plan_gpu, state_bytes
 from moestream.engine.prefix_cache import PrefixCache
 from moestream.engine.stream import RequestOutput, TextStream
-from moestream.errors import MoestreamError
+from moestream.errors import BudgetError, MoestreamError
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
 from moestream.layers.context import StepContext
@@ -43,7 +44,18 @@ class LLM:
         cfg = dataclasses.replace(cfg, device=device, dtype=dtype, expert=self._precisions(store, cfg.expert))
         self.engine_config, self.device, self.dtype = cfg, torch.device(device), getattr(torch, cfg.dtype)
         self.config = self.store.model  # the model (ModelConfig); engine options are in engine_config
+        cuda = self.device.type == "cuda"
+        baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.model = load_model(self.store, self.device, self.dtype, cfg.ngram_tier, cfg.expert.host_gb * 1e9)
+        self.gpu_plan = None
+        if cfg.gpu_gb is not None:
+            strides = [self.store.manifest.layouts[p].stride for p in (cfg.expert.precision, cfg.expert.miss_precision)
+                       if p is not None]
+            self.gpu_plan = plan_gpu(self.model, cfg, max(strides), self.config.num_experts_per_tok, self.dtype)
+            cfg = dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, pool_gb=self.gpu_plan.pool / 1e9))
+            self.engine_config = cfg
         self.provider = ExpertProvider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok)
         blocks = self.model.moe_blocks()
         for block in blocks:
@@ -51,7 +63,6 @@ class LLM:
         self.provider.attach({b.layer_slot: b.gate.weight for b in blocks})
         self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype)
         self._tokenizer = None
-        cuda = self.device.type == "cuda"
         if cfg.preload if cfg.preload is not None else cuda:
             from moestream.engine.progress import progress_bar
 
@@ -68,6 +79,12 @@ class LLM:
             table.reset_counts()
         if cfg.prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk)
+        self.peak_gpu_bytes = (torch.cuda.max_memory_allocated(self.device) - baseline) if cuda else None
+        if self.gpu_plan is not None and self.peak_gpu_bytes is not None and self.peak_gpu_bytes > cfg.gpu_gb * 1e9:
+            self.close()
+            raise BudgetError(f"--gpu-gb {cfg.gpu_gb:g}: the load and warm-up peaked at "
+                              f"{self.peak_gpu_bytes / 1e9:.2f} GB (planned GB: {self.gpu_plan.parts_gb()}); raise it, "
+                              "or lower --prefill-chunk")
 
     def _precisions(self, path: str, expert):
         """`expert` with its precision resolved (None: the store's, Q4 first), each one the store holds or, for
@@ -96,7 +113,10 @@ class LLM:
             self.eos_ids  # noqa: B018 (loads the tokenizer)
             generator = torch.Generator().manual_seed(0)
             prompt = torch.randint(0, self.config.vocab_size, (512,), generator=generator)
-            for ids in (prompt[:1], prompt):
+            chunk = self.engine_config.prefill_chunk  # under a GPU budget, the largest forward's peak is checked
+            longest = torch.randint(0, self.config.vocab_size, (chunk,), generator=generator) \
+                if self.gpu_plan is not None and chunk > len(prompt) else prompt
+            for ids in dict.fromkeys((prompt[:1], prompt, longest)):
                 state = self.model.new_state(self.dtype, self.device)
                 ctx = StepContext.eager(0, len(ids), self.device, ExpertStep(scratch=True))
                 self.model(ids.to(self.device), state, ctx)
@@ -173,7 +193,18 @@ class LLM:
             return ""
 
     def stats(self) -> dict:
-        return self.provider.snapshot() | {"ngram": ngram_stats(ngram_tables(self.model))}
+        return self.provider.snapshot() | {"ngram": ngram_stats(ngram_tables(self.model)), "memory": self.memory()}
+
+    def memory(self) -> dict:
+        """Bytes of each part the engine keeps on the compute device (the n-gram tables never are)."""
+        pool = self.provider.pool
+        state = self.decoder.state
+        return {"budget": self.engine_config.gpu_gb and int(self.engine_config.gpu_gb * 1e9),
+                "dense": dense_bytes(self.model), "pool": pool.num_slots * pool.stride,
+                "ring": pool.ring_slots * pool.stride,
+                "decode_state": state_bytes(self.model, self.dtype, state.capacity) if state is not None else None,
+                "activations_estimate": activation_bytes(self.config, self.engine_config.prefill_chunk, self.dtype),
+                "ngram_tables": 0, "peak_allocated": self.peak_gpu_bytes}
 
     def close(self) -> None:
         self.provider.close()

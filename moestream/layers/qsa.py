@@ -9,9 +9,9 @@ plus the tail of its incomplete block (tokens `ratio * complete .. p`). While ev
 A prefill attends over every key with its queries' selections as a mask (chunked to bound memory), so each
 key is read once, not once for each query that chose it. Eager selection is vectorised over queries. Where
 the k-th and (k+1)-th best scores tie exactly (with few indexer heads, when relu zeroes several blocks) it
-resolves them as the reference's `torch.topk` over the query's complete blocks does. The static step (one token, captured in
-CUDA graphs) scores every block the reserved cache can hold, masked by the device-side position, and breaks
-such ties by the lower block index, since no host decision may run there.
+resolves them as the reference's `torch.topk` over the query's complete blocks does. The static step (one
+token, captured in CUDA graphs) scores every block the reserved cache can hold, masked by the device-side
+position, and breaks such ties by the lower block index, since no host decision may run there.
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""What the engine keeps on the GPU, part by part, and a whole-GPU budget (`gpu_gb`) turned into a pool size.
+
+Parts: the dense weights (counted by storage, so fused projections count once), the decode state (KV caches
+and recurrent states reserved for `max_context`), the activations of a prefill chunk (an estimate from the
+model's dims, checked against the measured peak after the load's warm-up), the prefill ring and the pool,
+which gets what is left. The n-gram tables never take GPU memory: the host tier holds them, or the disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moestream.config import EngineConfig, ModelConfig
+from moestream.errors import BudgetError
+from moestream.models.base import CausalLM
+
+ACTIVATION_FIXED = 512 * 2**20  # QSA's mask chunk, SDPA and allocator slack, whatever the chunk
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def dense_bytes(model: CausalLM) -> int:
+    return tensor_bytes(t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta")
+
+
+def state_bytes(model: CausalLM, dtype: torch.dtype, rows: int) -> int:
+    """A decode state reserved for `rows` positions, sized on the meta device (nothing is allocated)."""
+    state = model.new_state(dtype, torch.device("meta"))
+    state.reserve(rows)
+    total, todo = 0, list(state.layers)
+    while todo:
+        part = todo.pop()
+        for value in vars(part).values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+            elif dataclasses.is_dataclass(value) or hasattr(value, "__dict__") and not isinstance(value, type):
+                todo.append(value)
+    return total
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
+    """A prefill chunk's live activations, estimated: residual streams and their norms, each routed entry's input,
+    gate/up and output, the mixers' projections and fp32 recurrent temporaries."""
+    width = max(cfg.hc_count, 1) * cfg.hidden_size
+    entries = cfg.num_experts_per_tok * (2 * cfg.hidden_size + 2 * cfg.moe_intermediate_size)
+    attention = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    deltanet = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + 3 * cfg.linear_num_value_heads * \
+        cfg.linear_value_head_dim
+    per_token = dtype.itemsize * (8 * width + entries + 2 * max(attention, deltanet)) + 4 * 6 * deltanet
+    return tokens * per_token + ACTIVATION_FIXED
+
+
+@dataclasses.dataclass
+class GpuPlan:
+    dense: int
+    state: int
+    activations: int
+    ring: int
+    pool: int  # what is left for expert records
+
+    def parts_gb(self) -> str:
+        return ", ".join(f"{name} {getattr(self, name) / 1e9:.2f}" for name in
+                         ("dense", "state", "activations", "ring", "pool"))
+
+
+def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype: torch.dtype) -> GpuPlan:
+    """Split `cfg.gpu_gb` into parts; refuses a budget whose pool cannot hold one decode step's records."""
+    budget = int(cfg.gpu_gb * 1e9)
+    plan = GpuPlan(dense_bytes(model), state_bytes(model, dtype, cfg.max_context),
+                   activation_bytes(model.config, cfg.prefill_chunk, dtype), cfg.expert.ring_slots * stride, 0)
+    plan.pool = budget - plan.dense - plan.state - plan.activations - plan.ring
+    if cfg.expert.pool_gb is not None:
+        if cfg.expert.pool_gb * 1e9 > plan.pool:
+            raise BudgetError(f"--pool-gb {cfg.expert.pool_gb:g} does not fit in --gpu-gb {cfg.gpu_gb:g} "
+                              f"(GB: {plan.parts_gb()})")
+        plan.pool = int(cfg.expert.pool_gb * 1e9)
+    if plan.pool < top_k * stride:
+        raise BudgetError(f"--gpu-gb {cfg.gpu_gb:g} leaves {max(plan.pool, 0) / 1e9:.2f} GB for experts, below one "
+                          f"decode step's {top_k * stride / 1e9:.3f} GB (GB: {plan.parts_gb()}); raise it, or "
+                          "lower --max-context or --prefill-chunk")
+    return plan

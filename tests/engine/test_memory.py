@@ -1,0 +1,49 @@
+"""A whole-GPU budget split into parts, the pool getting what is left; budgets that cannot hold a step refused."""
+
+import pytest
+
+from moestream.config import EngineConfig
+from moestream.engine.llm import LLM
+from moestream.engine.memory import activation_bytes, state_bytes
+from moestream.errors import BudgetError, ConfigError
+
+
+def test_the_pool_gets_what_the_other_parts_leave(tiny):
+    llm = LLM(tiny.store("qwen4_exp"), device="cpu", gpu_gb=0.7)
+    try:
+        plan, memory = llm.gpu_plan, llm.stats()["memory"]
+        assert plan.dense + plan.state + plan.activations + plan.ring + plan.pool == 0.7e9
+        stride, records = llm.provider.pool.stride, llm.provider.geometry.num_records
+        assert 0 <= min(plan.pool // stride, records) * stride - memory["pool"] <= stride  # capped at the model
+        assert memory["dense"] == plan.dense and memory["ngram_tables"] == 0 and memory["budget"] == 0.7e9
+        assert plan.state == state_bytes(llm.model, llm.dtype, llm.engine_config.max_context) > 0
+        assert plan.activations == activation_bytes(llm.config, llm.engine_config.prefill_chunk, llm.dtype)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(gpu_gb=0.3), "leaves"),
+    (dict(gpu_gb=0.7, pool_gb=0.5), "does not fit"),
+])
+def test_a_budget_that_cannot_hold_a_step_is_refused_in_one_line(tiny, options, message):
+    with pytest.raises(BudgetError, match=message) as e:
+        LLM(tiny.store("qwen4_exp"), device="cpu", **options)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0, -1])
+def test_gpu_gb_must_be_a_positive_number(value):
+    with pytest.raises(ConfigError, match="--gpu-gb"):
+        EngineConfig(gpu_gb=value)
+
+
+@pytest.mark.gpu
+def test_gpu_the_load_stays_within_its_budget(tiny):
+    llm = LLM(tiny.store("qwen4_exp"), device="cuda", gpu_gb=1.0)
+    try:
+        memory = llm.stats()["memory"]
+        assert 0 < memory["peak_allocated"] <= 1e9
+        assert memory["decode_state"] == llm.gpu_plan.state
+    finally:
+        llm.close()
