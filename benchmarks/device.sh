@@ -43,6 +43,11 @@ for stage in "$@"; do
     suite-lowbit) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b="$STORE" --modes low-bit ;;
     suite-next) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3.8-flash-next="$WORK/qwen3.8-flash-next" ;;
     suite-peers) wait_stores; suite "${PEERS_SECONDS:-${SUITE_SECONDS:-580}}" peers ;;
+    flagship-store) timeout 580 python -m benchmarks.flagship store --work "$WORK" 2>&1 | tee "$OUT/flagship-store.log" ;;
+    flagship) mkdir -p "$WORK/state"; f="$WORK/state/flagship.json"; st=(); [ -f "$f" ] && st=(--state "$f")
+              timeout "${FLAGSHIP_SECONDS:-580}" python -m benchmarks.flagship run --work "$WORK" --out "$OUT/flagship" \
+                "${st[@]}" ${FLAGSHIP_ARGS:-} 2>&1 | tee "$OUT/flagship.log" | tail -20
+              cp "$OUT/flagship/flagship.json" "$f" ;;  # FLAGSHIP_ARGS="--rows 24gb-host,..."
     e2e) e2e 300 e2e --decode --prefill ;;
     decode) e2e 200 decode --decode --profile ;;
     overlap) e2e 240 overlap --prefill --fracs 0.25 --lengths 4096 --host-gb 24 --warm --trace ;;

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from moestream.config import ModelConfig
+from moestream.config import PRECISIONS, ModelConfig
 from moestream.experts.format import (
     DENSE_FILE,
     MANIFEST,
@@ -62,7 +62,10 @@ EMBED_SCALE, BLOCK_OUT_SCALE = 8.0, 0.05
 
 
 def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0, seed: int = 0,
+          precisions: tuple[str, ...] = ("q4",), sparse: tuple[str, ...] = (), mtp: bool = False,
           **overrides) -> Manifest:
+    """`sparse`: precisions whose records are holes in a sparse file (zero codes, scales and biases: zero experts,
+    read and computed like any others, for stores larger than the disk)."""
     hf = dict(GEOMETRIES[geometry]) | overrides
     if layers:
         hf["num_hidden_layers"] = layers
@@ -98,28 +101,39 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
                 t = t * torch.arange(1, shape[0] + 1, device=dev).float().pow(-skew)[:, None] * shape[0] ** (skew / 2)
         writer.write(name, t.to(torch.bfloat16).cpu())
     writer.close()
-    layout = RecordLayout.build("q4", cfg.hidden_size, cfg.moe_intermediate_size)
-    g = ExpertGeometry(len(cfg.moe_layer_ids), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                       cfg.moe_layer_ids)
-    with open(os.path.join(out, experts_file("q4")), "wb") as f:
-        for _ in range(g.num_layers):
-            words = torch.randint(-2**31, 2**31 - 1, (g.num_experts, layout.stride // 4), generator=gen,
-                                  device=dev, dtype=torch.int32)
-            recs = words.view(torch.uint8).view(g.num_experts, layout.stride)
-            for fld in layout.fields:
-                if fld.dtype == "bfloat16":  # w = s q + b within +-7.5 s (small, so activations stay sane)
-                    scale = 0.0005 if fld.name.startswith("down") else 0.002
-                    recs[:, fld.offset: fld.offset + fld.nbytes].view(torch.bfloat16).fill_(
-                        scale if fld.name.endswith("_s") else -7.5 * scale)
-            f.write(recs.cpu().numpy().tobytes())
+    layer_ids = cfg.moe_layer_ids + ((-1,) if mtp else ())  # the MTP layer's experts: one more record layer
+    g = ExpertGeometry(len(layer_ids), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, layer_ids)
+    layouts = {p: RecordLayout.build(p, cfg.hidden_size, cfg.moe_intermediate_size) for p in precisions}
+    for p, layout in layouts.items():
+        write_records(os.path.join(out, experts_file(p)), g, layout, PRECISIONS[p], gen, sparse=p in sparse)
     ngram = tuple(write_ngram_table(out, layer, hashing, cfg, gen) for layer in cfg.ple_layer_ids)
-    names = (DENSE_FILE, experts_file("q4"), *(ngram_file(n.layer) for n in ngram))
+    names = (DENSE_FILE, *map(experts_file, layouts), *(ngram_file(n.layer) for n in ngram))
     files = {name: file_check(os.path.join(out, name)) for name in names}
-    manifest = Manifest(cfg.model_type, hf, {"kind": "synthetic", "geometry": geometry, "skew": skew}, "bfloat16", g,
-                        {"q4": layout}, ngram, (), files)
+    source = {"kind": "synthetic", "geometry": geometry, "skew": skew, "sparse": sorted(sparse)}
+    manifest = Manifest(cfg.model_type, hf, source, "bfloat16", g, layouts, ngram, (), files)
     with open(os.path.join(out, MANIFEST), "w") as f:
         json.dump(manifest.to_json(), f, indent=1)
     return manifest
+
+
+def write_records(path: str, g: ExpertGeometry, layout: RecordLayout, bits: int, gen: torch.Generator,
+                  sparse: bool = False) -> None:
+    """Random codes; scales small and biases centring the codes, w = s q + b within +-(2^bits - 1)/2 s (so
+    activations stay sane)."""
+    with open(path, "wb") as f:
+        if sparse:
+            f.truncate(g.num_records * layout.stride)
+            return
+        for _ in range(g.num_layers):
+            words = torch.randint(-2**31, 2**31 - 1, (g.num_experts, layout.stride // 4), generator=gen,
+                                  device=gen.device, dtype=torch.int32)
+            recs = words.view(torch.uint8).view(g.num_experts, layout.stride)
+            for fld in layout.fields:
+                if fld.dtype == "bfloat16":
+                    scale = 0.0005 if fld.name.startswith("down") else 0.002
+                    recs[:, fld.offset: fld.offset + fld.nbytes].view(torch.bfloat16).fill_(
+                        scale if fld.name.endswith("_s") else -(2**bits - 1) / 2 * scale)
+            f.write(recs.cpu().numpy().tobytes())
 
 
 def ngram_hashing(cfg: ModelConfig, rows_per_head: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -156,9 +170,13 @@ def main() -> None:
     p.add_argument("--layers", type=int)
     p.add_argument("--skew", type=float, default=0.0)
     p.add_argument("--ngram-rows", type=int, help="rows per n-gram head (flash-next; default the model's 20M)")
+    p.add_argument("--precisions", default="q4", help="record files to write, e.g. q4,q2")
+    p.add_argument("--sparse", default="", help="precisions written as holes (zero experts), e.g. q4")
+    p.add_argument("--mtp", action="store_true", help="one more record layer: the MTP layer's experts")
     args = p.parse_args()
     extra = {"ngram_vocab_size_base": args.ngram_rows} if args.ngram_rows else {}
-    m = build(args.out, args.geometry, args.layers, args.skew, **extra)
+    m = build(args.out, args.geometry, args.layers, args.skew, precisions=tuple(args.precisions.split(",")),
+              sparse=tuple(filter(None, args.sparse.split(","))), mtp=args.mtp, **extra)
     size = sum(f.size for f in m.files.values()) / 1e9
     print(f"wrote {args.geometry} ({m.geometry.num_layers} expert layers, {m.geometry.num_records} records): "
           f"{size:.1f} GB in {args.out}")
