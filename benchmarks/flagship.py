@@ -59,7 +59,7 @@ def stage_store(args) -> None:
     if os.path.isfile(os.path.join(path, "manifest.json")):
         print(f"{path} exists")
         return
-    m = build(path, "qwen3.8-flash-next", ngram_vocab_size_base=args.ngram_rows, precisions=("q4", "q2"),
+    m = build(path, "qwen3.8-flash-next", layers=48, ngram_vocab_size_base=args.ngram_rows, precisions=("q4", "q2"),
               sparse=("q4",), mtp=True)
     print(f"wrote {path}: {m.geometry.num_layers} record layers, files "
           + ", ".join(f"{n} {f.size / 1e9:.1f} GB" for n, f in m.files.items()))

@@ -91,10 +91,10 @@ class Residency:
             return
         ids = torch.stack(self._addressed).cpu().sort(-1).values  # [steps, layers, top_k]
         self._addressed = []
-        g = self.geometry
+        g, routed_layers = self.geometry, ids.shape[1]  # the trunk's layers: an MTP layer's records come after
         distinct = torch.ones_like(ids, dtype=torch.bool)
         distinct[..., 1:] = ids[..., 1:] != ids[..., :-1]
-        rid = ids + torch.arange(g.num_layers)[None, :, None] * g.num_experts
+        rid = ids + torch.arange(routed_layers)[None, :, None] * g.num_experts
         cached = {p: torch.zeros(g.num_records, dtype=torch.bool) for p in self.layouts}
         for r, slot in self.pool.slot_of.items():
             precision = self.pool.precision_of[slot]  # None for a slot whose fill is not fetched yet
@@ -103,7 +103,7 @@ class Residency:
         hits = {p: (distinct & c[rid]).sum((0, 2)).tolist() for p, c in cached.items()}
         lookups = distinct.sum((0, 2)).tolist()
         uses = torch.bincount(rid[distinct], minlength=g.num_records).view(g.num_layers, g.num_experts).tolist()
-        for layer in range(g.num_layers):
+        for layer in range(routed_layers):
             misses = lookups[layer] - sum(h[layer] for h in hits.values())
             self.stats.at(layer, self.base).decode_steps += ids.shape[0]
             for p, h in hits.items():

@@ -188,3 +188,22 @@ def test_prefill_fills_never_leave_another_layer_short(tiny):
         assert held[3] == share and held[2] == share and held[1] == 1 and held[0] == 5 - share
     finally:
         llm.close()
+
+
+def test_steps_read_by_address_count_the_trunk_layers_of_a_store_with_an_mtp_layer(tmp_path):
+    """A store keeps the MTP layer's experts as one more record layer, which decode steps never route to."""
+    from benchmarks.synthetic import build
+
+    build(str(tmp_path / "s"), "qwen3-30b", layers=2, vocab_size=320, hidden_size=64, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=16, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+          mtp=True)
+    llm = LLM(str(tmp_path / "s"), device="cpu")
+    try:
+        assert llm.provider.geometry.num_layers == 3
+        residency = llm.provider.residency
+        residency.note_addressed(torch.tensor([[0, 3], [5, 5]]))  # one step over the two trunk layers
+        residency.flush()
+        layers = llm.stats()["layers"]
+        assert [sum(c["lookups"] for c in per.values()) for per in layers] == [2, 1, 0]
+    finally:
+        llm.close()
