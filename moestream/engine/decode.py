@@ -1,12 +1,12 @@
 """Decode steps: one token through the model's own forward.
 
-On CUDA, when no layer says otherwise (`graph_safe`), a step has static shapes: attention over a cache reserved
-to `max_context` rows masked by a device-side position, recurrent states updated in place, experts one tile per
-routing entry. When every expert record is addressable without a host decision (all in the GPU pool, or the
-rest read in place from the pinned host tier) the step is a CUDA graph of that forward, captured once (at load)
-over the decoder's own sequence state, which every new sequence reuses; otherwise the step runs eagerly, routing
-each layer through the host. Both give the same bits, so the output does not depend on what was resident.
-Elsewhere (CPU, layers with no static form) a step is the plain eager forward.
+On CUDA a step has static shapes: attention over a cache reserved to `max_context` rows masked by a device-side
+position, recurrent states updated in place, experts one tile per routing entry, host work it needs (a PLE table's
+rows on disk) staged before it. When every expert record is addressable without a host decision (all in the GPU
+pool, or the rest read in place from the pinned host tier) the step is a CUDA graph of that forward, captured once
+(at load) over the decoder's own sequence state, which every new sequence reuses; otherwise the step runs eagerly,
+routing each layer through the host. Both give the same bits, so the output does not depend on what was resident.
+On the CPU a step is the plain eager forward.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Decoder:
         tests ask for them to run the GPU's step with the reference kernels)."""
         self.model, self.provider, self.mode, self.max_context = model, provider, cfg.decode_mode, cfg.max_context
         self.device, self.dtype = device, dtype
-        self.static = model.graph_safe and (device.type == "cuda" if static is None else static)
+        self.static = device.type == "cuda" if static is None else static
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.routed = torch.zeros(len(model.moe_blocks()), model.config.num_experts_per_tok, dtype=torch.long,
@@ -58,6 +58,7 @@ class Decoder:
             state.reserve(2 * state.capacity)
             if state is self.state:
                 self.graph = None  # its buffers moved
+        self.model.stage_step(state.tokens, token)
         self.token.fill_(token)
         self.position.fill_(state.length)
         addresses = self.provider.address_table() if self.mode != "handshake" else None

@@ -196,7 +196,8 @@ class LLM:
         return self.provider.snapshot() | {"ngram": ngram_stats(ngram_tables(self.model)), "memory": self.memory()}
 
     def memory(self) -> dict:
-        """Bytes of each part the engine keeps on the compute device (the n-gram tables never are)."""
+        """Bytes of each part the engine keeps on the compute device (of the n-gram tables, a disk tier's staging
+        buffer of one step's rows)."""
         pool = self.provider.pool
         state = self.decoder.state
         return {"budget": self.engine_config.gpu_gb and int(self.engine_config.gpu_gb * 1e9),
@@ -204,7 +205,8 @@ class LLM:
                 "ring": pool.ring_slots * pool.stride,
                 "decode_state": state_bytes(self.model, self.dtype, state.capacity) if state is not None else None,
                 "activations_estimate": activation_bytes(self.config, self.engine_config.prefill_chunk, self.dtype),
-                "ngram_tables": 0, "peak_allocated": self.peak_gpu_bytes}
+                "ngram_tables": sum(t.staging.numel() for t in ngram_tables(self.model) if t.staging is not None),
+                "peak_allocated": self.peak_gpu_bytes}
 
     def close(self) -> None:
         self.provider.close()

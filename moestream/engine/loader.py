@@ -49,8 +49,9 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tie
 def attach_ngram_tables(model: torch.nn.Module, store: Store, device: torch.device, tier: str = "auto",
                         host_reserved: float = 0.0) -> None:
     """Give each PLE n-gram embedding its table: read whole into (pinned) host memory, where decode graphs read
-    its rows in place, or left on disk and read row by row. "auto" takes the host when the tables fit in the
-    memory the machine has free beyond `host_reserved` bytes (the expert host tier's budget)."""
+    its rows in place, or left on disk and read row by row (a decode step's through a small staging buffer).
+    "auto" takes the host when the tables fit in the memory the machine has free beyond `host_reserved` bytes
+    (the expert host tier's budget)."""
     layouts = {n.layer: n for n in store.manifest.ngram}
     embeddings = [m for m in model.modules() if isinstance(m, NgramEmbedding)]
     for module in embeddings:
@@ -64,6 +65,8 @@ def attach_ngram_tables(model: torch.nn.Module, store: Store, device: torch.devi
         module.table = NgramTable(store.ngram_path(module.layer), layout)
     total = sum(m.table.nbytes for m in embeddings)
     if not total or tier == "disk" or (tier == "auto" and total > free_host_bytes() - host_reserved):
+        for module in embeddings:
+            module.table.make_staging(module.ngram_heads_offsets.numel(), device)
         return
     from moestream.engine.progress import progress_bar
 

@@ -3,8 +3,9 @@
 
 Real tables hold tens of GB. On the host tier the whole table is read once into pinned host memory, where the
 GPU reads the rows each token needs in place (inside the decode graph); on disk, each forward preads only the
-rows it needs (runs of consecutive ids in one read). Rows are counted per tier: disk reads on the host, rows
-read in place by a device counter, since a graph replay runs no Python.
+rows it needs (runs of consecutive ids in one read), and a decode step's rows are read as soon as its token is
+known, into a small staging buffer on the device that the step reads. Rows are counted per tier: disk reads
+on the host, rows read in place by a device counter, since a graph replay runs no Python.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class NgramTable:
         self.rows_read = 0  # disk: distinct rows and bytes read from the file
         self.bytes_read = 0
         self.host_rows = None  # host tier: rows read in place, counted on the compute device
+        self.staging = None  # disk tier: a decode step's rows on the compute device (make_staging)
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +57,23 @@ class NgramTable:
             if advance:
                 advance(end)
         self.host_rows = torch.zeros((), dtype=torch.long, device=device)
+
+    def make_staging(self, rows: int, device: torch.device) -> None:
+        """Disk tier: room for one decode step's `rows` rows on the device, filled from pinned memory by `stage`."""
+        self.staging_host = host_buffer(rows * self.layout.row_bytes, device.type == "cuda").view(rows, -1)
+        self.staging = torch.zeros(rows, self.layout.row_bytes, dtype=torch.uint8, device=device)
+        self.staging_ids = torch.arange(rows, device=device)[None]
+        self.staged = None  # the last copy's event: the pinned rows are not rewritten before it ends
+
+    def stage(self, raw: torch.Tensor) -> None:
+        """A step's rows [rows, row_bytes] into the staging buffer, copied on the current stream."""
+        if self.staged is not None:
+            self.staged.synchronize()
+        self.staging_host.copy_(raw)
+        self.staging.copy_(self.staging_host, non_blocking=True)
+        if self.staging.is_cuda:
+            self.staged = torch.cuda.Event()
+            self.staged.record()
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [...] (int) -> (the distinct rows' bytes [n, row_bytes] uint8, read from the file, and each id's

@@ -15,7 +15,7 @@ from moestream.experts.provider import ExpertStep
 class StepContext:
     positions: torch.Tensor  # [T] int64, on the model's device
     # fixed buffers: attention over the whole reserved cache masked by `positions`, states updated in place, so
-    # the step can be captured (one row; layers that cannot be captured say so with `graph_safe = False`)
+    # the step can be captured (one row)
     static: bool = False
     experts: ExpertStep = field(default_factory=ExpertStep)
 

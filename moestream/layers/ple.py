@@ -7,10 +7,10 @@ conv over the gated values adds local context. Returns [T, hc * H], added to the
 
 An n-gram never reaches across an EOS token: positions before the segment start read as EOS, and so
 does everything before the first token. The table rows come through `table` (an `NgramTable` the loader
-attaches: in pinned host memory, read in place by a kernel, or on disk, read row by row); the module
-itself holds only the small hashing buffers. `PLEState` carries the last `ngram_size - 1` ids and the conv
-history, updated in place, so prefill followed by single steps equals one forward and a decode step with
-the table on the host tier can be captured.
+attaches: in pinned host memory, read in place by a kernel, or on disk, read row by row, a decode step's
+staged before it runs); the module itself holds only the small hashing buffers. `PLEState` carries the
+last `ngram_size - 1` ids and the conv history, updated in place, so prefill followed by single steps
+equals one forward and a decode step can be captured.
 """
 
 from __future__ import annotations
@@ -70,32 +70,48 @@ class NgramEmbedding(nn.Module):
         self.register_buffer("ngram_heads_vocab_sizes", torch.empty(heads, dtype=torch.long))
         self.register_buffer("ngram_heads_offsets", torch.empty(heads, dtype=torch.long))
         self.table = None  # NgramTable, attached by the loader
+        self._host_hashing = None
 
-    def ngram_ids(self, ids: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """ids [T], context [ngram_size - 1] -> table row ids [T, heads] (ordered by n-gram order, then head)."""
+    def ngram_ids(self, ids: torch.Tensor, context: torch.Tensor, hashing: tuple | None = None) -> torch.Tensor:
+        """ids [T], context [ngram_size - 1] -> table row ids [T, heads] (ordered by n-gram order, then head);
+        `hashing`: (multipliers, head sizes, head offsets) where they are not the buffers (host copies)."""
+        multipliers, sizes, offsets = hashing or (self.layer_multipliers, self.ngram_heads_vocab_sizes,
+                                                  self.ngram_heads_offsets)
         history = torch.cat([context, ids])
         shifted = [shift_within_segments(history, s, self.eos) for s in range(self.ngram_size)]
         blocks = []
         for order in range(2, self.ngram_size + 1):
             # int64 products wrap on overflow, as in the reference hashing
-            mixed = shifted[0] * self.layer_multipliers[0]
+            mixed = shifted[0] * multipliers[0]
             for position in range(1, order):
-                mixed = torch.bitwise_xor(mixed, shifted[position] * self.layer_multipliers[position])
+                mixed = torch.bitwise_xor(mixed, shifted[position] * multipliers[position])
             heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
-            blocks.append(torch.remainder(mixed[:, None], self.ngram_heads_vocab_sizes[heads][None])
-                          + self.ngram_heads_offsets[heads][None])
+            blocks.append(torch.remainder(mixed[:, None], sizes[heads][None]) + offsets[heads][None])
         return torch.cat(blocks, dim=-1)[context.shape[0]:]
 
-    @property
-    def graph_safe(self) -> bool:
-        """Rows read in place from the host tier need no host decision; rows read from disk do."""
-        return self.table is not None and self.table.host is not None
+    def stage_step(self, tokens: list[int], token: int) -> None:
+        """Before a static step of `token` after `tokens`, with the table on disk: its rows read now into the
+        table's device staging buffer, which the step (perhaps a graph replay) then reads."""
+        table = self.table
+        if table is None or table.host is not None:
+            return
+        if self._host_hashing is None:
+            self._host_hashing = tuple(b.cpu() for b in (self.layer_multipliers, self.ngram_heads_vocab_sizes,
+                                                         self.ngram_heads_offsets))
+        context = ([self.eos] * (self.ngram_size - 1) + tokens[-(self.ngram_size - 1):])[-(self.ngram_size - 1):]
+        row_ids = self.ngram_ids(torch.tensor([token]), torch.tensor(context), self._host_hashing)
+        raw, inverse = table.read(row_ids[0])
+        table.stage(raw[inverse])
 
-    def forward(self, ids: torch.Tensor, context: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """ids [T] -> [T, heads * head_dim] in `dtype`."""
+    def forward(self, ids: torch.Tensor, context: torch.Tensor, dtype: torch.dtype, static: bool = False
+                ) -> torch.Tensor:
+        """ids [T] -> [T, heads * head_dim] in `dtype`; a static step's rows from the host tier in place, or from
+        the staging buffer `stage_step` filled."""
         table = self.table
         if table is None:
             raise RuntimeError(f"layer {self.layer}: no n-gram table attached (load the model through a store)")
+        if table.host is None and static:
+            return ops.ngram_rows(table.staging, table.staging_ids, table.layout, dtype).flatten(-2)
         row_ids = self.ngram_ids(ids, context)  # [T, heads]
         if table.host is not None:
             table.host_rows.add_(row_ids.numel())
@@ -127,9 +143,10 @@ class PLE(nn.Module):
                              device=device)
         return PLEState(context, torch.zeros(self.history, self.streams * self.hidden, dtype=dtype, device=device))
 
-    def forward(self, streams: torch.Tensor, ids: torch.Tensor, state: PLEState) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, ids: torch.Tensor, state: PLEState, static: bool = False
+                ) -> torch.Tensor:
         """streams [T, hc * H], ids [T] -> the PLE update [T, hc * H]; advances `state`."""
-        embedded = self.ple_embedding(ids, state.context, streams.dtype)  # [T, ple_embed_dim]
+        embedded = self.ple_embedding(ids, state.context, streams.dtype, static)  # [T, ple_embed_dim]
         state.context.copy_(torch.cat([state.context, ids])[ids.shape[0]:])
         keys = self.norm_key(self.key_proj(embedded)).unflatten(-1, (self.streams, self.hidden))
         queries = self.norm_query(streams).unflatten(-1, (self.streams, self.hidden))

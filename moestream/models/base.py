@@ -134,14 +134,18 @@ class CausalLM(nn.Module):
         self.model = self.backbone_class(cfg, self.spec)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta)
+        self._stagers = None
+
+    def stage_step(self, tokens: list[int], token: int) -> None:
+        """Host work a static decode step of `token` after `tokens` needs before it runs (the PLE rows of a table
+        on disk)."""
+        if self._stagers is None:
+            self._stagers = [m for m in self.modules() if m is not self and hasattr(m, "stage_step")]
+        for module in self._stagers:
+            module.stage_step(tokens, token)
 
     def moe_blocks(self) -> list[SparseMoE]:
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
-
-    @property
-    def graph_safe(self) -> bool:
-        """Whether a decode step can run with static shapes (and be captured): no layer says it cannot."""
-        return all(getattr(m, "graph_safe", True) for m in self.modules() if m is not self)
 
     def new_state(self, dtype: torch.dtype, device: torch.device) -> SequenceState:
         return SequenceState([layer.new_state(dtype, device) for layer in self.model.layers])

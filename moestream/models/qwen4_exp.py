@@ -78,7 +78,7 @@ class HyperDecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor, ids: torch.Tensor, rope, state, ctx: StepContext) -> torch.Tensor:
         """streams [T, hc * H], ids [T] -> streams [T, hc * H]."""
         if self.ple is not None:
-            streams = streams + self.ple(streams, ids, state.ple)
+            streams = streams + self.ple(streams, ids, state.ple, ctx.static)
             state = state.mixer
         x, weights = self.attn_hyper_connection(streams)
         out = self.linear_attn(x, state) if self.kind == "linear_attention" else self.self_attn(x, rope, state, ctx)
