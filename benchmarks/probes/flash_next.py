@@ -1,6 +1,7 @@
 """Qwen3.8-Flash-Next's own layers on the decode path: decode tok/s after a short prompt and after one past QSA's
-budget (every query then chooses its blocks), and prefill of 4096 tokens, with the n-gram table on the host tier
-(decode graphed) and on disk (decode eager), every expert resident. Rows append as JSON lines to --out.
+budget (every query then chooses its blocks), and prefill of 4096 tokens, every expert resident: graphed with the
+n-gram table on the host tier, the same static step never captured, and graphed with the table on disk (each
+step's rows staged before it). Rows append as JSON lines to --out.
 
 python -m benchmarks.probes.flash_next STORE --out rows.jsonl [--configs graph,eager,disk]
 """
