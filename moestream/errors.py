@@ -23,3 +23,8 @@ class BudgetError(MoestreamError):
 
 class ConfigError(MoestreamError):
     """An engine option out of its range."""
+
+
+class RequestError(MoestreamError):
+    """A request the caller can fix: a parameter out of range, a prompt too long or with ids outside the vocabulary
+    (the server answers 400; every other error during generation is the server's own, 500)."""

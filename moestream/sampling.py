@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Checked when made: one line naming the field for a value out of range. `stop` may be one string; empty
+    stop strings are dropped (they would stop before the first token)."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -17,16 +24,42 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] | str = ()
     ignore_eos: bool = False
 
-    def validate(self) -> None:
-        from moestream.errors import MoestreamError
+    def __post_init__(self):
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        _need(all(isinstance(s, str) for s in stops), "stop", "must be a string or a list of strings")
+        object.__setattr__(self, "stop", tuple(s for s in stops if s))
+        self.validate()
 
-        if self.max_tokens < 0:
-            raise MoestreamError("max_tokens must be >= 0")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
-            raise MoestreamError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0")
+    def validate(self) -> None:
+        _need(_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens", "must be an integer >= 0")
+        _need(_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0: off)")
+        _need(_number(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
+        _need(_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
+        _need(_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              "must be a number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _need(_number(getattr(self, name)), name, "must be a finite number")
+        _need(self.seed is None or _int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed",
+              f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+        _need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
+
+
+def _int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _need(ok: bool, field: str, what: str) -> None:
+    if not ok:
+        from moestream.errors import RequestError
+
+        raise RequestError(f"{field} {what}")
 
 
 class Sampler:

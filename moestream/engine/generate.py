@@ -50,14 +50,17 @@ def sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, device: torch.device,
-            on_boundary=None) -> torch.Tensor:
-    """Feed `ids` (the tokens after `state.length`) through the model; returns the last position's logits [vocab].
+            on_boundary=None, cancelled=None) -> torch.Tensor | None:
+    """Feed `ids` (the tokens after `state.length`) through the model; returns the last position's logits [vocab],
+    or None when `cancelled()` said so between two chunks.
 
     Chunks end at multiples of `chunk` counted from the sequence start, so a state restored at such a
     boundary continues with exactly the forwards of an uncached run; `on_boundary(state)` runs at each."""
     hidden, start = None, state.length
     done, end = start, start + len(ids)
     while done < end:
+        if cancelled is not None and done > start and cancelled():
+            return None
         stop = min(end, (done // chunk + 1) * chunk)
         piece = torch.tensor(ids[done - start: stop - start], dtype=torch.long, device=device)
         hidden = model(piece, state)
@@ -69,7 +72,7 @@ def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, d
 
 @torch.inference_mode()
 def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-        step, logits: torch.Tensor | None = None, on_boundary=None) -> Iterator[Step]:
+        step, logits: torch.Tensor | None = None, on_boundary=None, cancelled=None) -> Iterator[Step]:
     """Yield generated tokens; `logits` are the prompt's last logits when the caller already prefilled;
     `step(token, state) -> logits` is the decode step (engine/decode.py); `on_boundary(state)` sees the state at
     each prefill chunk boundary (the prefix cache keeps it)."""
@@ -78,7 +81,9 @@ def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch
     start = time.perf_counter()
     if logits is None:
         todo = seq.prompt[seq.state.length:]
-        logits = prefill(model, todo, seq.state, chunk, device, on_boundary)
+        logits = prefill(model, todo, seq.state, chunk, device, on_boundary, cancelled)
+        if logits is None:  # cancelled during the prompt: no token
+            return
     sync(device)
     t.prompt_tokens = len(seq.prompt)
     t.prefill_seconds += time.perf_counter() - start

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import numbers
+import os
 from collections.abc import Iterator
 
 import torch
@@ -22,7 +24,7 @@ from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.memory import activation_bytes, dense_bytes, plan_gpu, state_bytes
 from moestream.engine.prefix_cache import PrefixCache
 from moestream.engine.stream import RequestOutput, TextStream
-from moestream.errors import BudgetError, MoestreamError
+from moestream.errors import BudgetError, ConfigError, MoestreamError, RequestError
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
 from moestream.layers.context import StepContext
@@ -35,6 +37,10 @@ def default_device() -> str:
 
 class LLM:
     def __init__(self, store: str, config: EngineConfig | None = None, **overrides):
+        if not isinstance(store, str | os.PathLike):
+            raise ConfigError(f"the store must be a path to a folder written by `moestream pack`, got {store!r}")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         cfg = (config or EngineConfig()).with_overrides(**overrides)
         device = cfg.device or default_device()
         if device == "cuda" and not torch.cuda.is_available():
@@ -152,25 +158,51 @@ class LLM:
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[gen.Step]:
         yield from self._run(self._sequence(prompt_ids, params))
 
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was made for (its config's max_position_embeddings), or None."""
+        raw = self.config.raw
+        return raw.get("max_position_embeddings") or raw.get("text_config", {}).get("max_position_embeddings")
+
     def _sequence(self, ids: list[int], params: SamplingParams) -> gen.Sequence:
-        """A new sequence for `ids`, starting from the deepest cached prefix when there is one."""
+        """A new sequence for `ids`, starting from the deepest cached prefix when there is one; its answer is cut
+        where the sequence would pass the model's context."""
         params.validate()
-        if not ids:
-            raise MoestreamError("the prompt is empty")
+        ids = self._checked_ids(ids)
+        if (context := self.context_length) is not None:
+            if len(ids) >= context:
+                raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, context - len(ids)))
         state = self.decoder.new_state()
         cached = self.prefix_cache.restore(ids, state) if self.prefix_cache else 0
         seq = gen.Sequence(list(ids), params, state)
         seq.timings.cached_tokens = cached
         return seq
 
-    def _run(self, seq: gen.Sequence) -> Iterator[gen.Step]:
+    def _run(self, seq: gen.Sequence, cancelled=None) -> Iterator[gen.Step]:
         keep = self.prefix_cache.insert if self.prefix_cache else None
         yield from gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
-                           self.decoder.step, on_boundary=keep)
+                           self.decoder.step, on_boundary=keep, cancelled=cancelled)
 
-    def generate(self, prompts: list, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Prompts are strings (tokenized raw, no chat template) or lists of token ids."""
+    def _checked_ids(self, ids) -> list[int]:
+        if not isinstance(ids, list | tuple) or not ids:
+            raise RequestError("the prompt is empty" if isinstance(ids, list | tuple) else
+                               f"a prompt is a string or a list of token ids, got {type(ids).__name__}")
+        vocab = self.config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise RequestError(f"prompt token {i} is {t!r}: token ids are integers in [0, {vocab})")
+        return [int(t) for t in ids]
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Prompts are strings (tokenized raw, no chat template) or lists of token ids; one string or one list of
+        ids is one prompt."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts
+                                        and not isinstance(prompts[0], str | list | tuple)):
+            prompts = [prompts]
         outs = []
         for prompt in prompts:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

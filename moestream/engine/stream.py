@@ -2,7 +2,8 @@
 
 Pieces never contain any part of a stop string (text that might begin one is held back until it
 cannot), nor an incomplete UTF-8 character; the pieces joined equal `output().text`. `cancelled`, when
-given, is polled after every token, so a caller on another thread can end the generation early."""
+given, is polled between prefill chunks and after every token, so a caller on another thread can end the
+generation early."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class TextStream:
         llm, params = self.llm, self.params
         self._before = llm.provider.totals()
         self.seq = llm._sequence(self.prompt_ids, params)
-        for step in llm._run(self.seq):
+        for step in llm._run(self.seq, self.cancelled):
             self.tokens.append(step.token)
             self.finish_reason = step.finish_reason
             full = llm._text(self.tokens)
@@ -60,6 +61,8 @@ class TextStream:
             if self.cancelled is not None and self.cancelled():
                 self.finish_reason = "cancelled"
                 return
+        if self.finish_reason is None and self.cancelled is not None and self.cancelled():
+            self.finish_reason = "cancelled"  # during the prompt, between two prefill chunks
 
     def output(self):
         stats = {"timings": self.seq.timings.as_dict(),

@@ -60,6 +60,16 @@ class ExpertPool:
         self.lru.move_to_end(slot)
         return slot
 
+    def forget(self, slot: int) -> None:
+        """The slot's fill failed: it holds no record (a later use fetches it again)."""
+        rid = self.rid_of[slot]
+        if rid is not None and self.slot_of.get(rid) == slot:
+            del self.slot_of[rid]
+            self.prefetched.discard(rid)
+        if slot < self.num_slots:
+            self.rid_of[slot] = None
+        self.pending[slot] = self.ready[slot] = self.precision_of[slot] = None
+
     def spare(self, layer: int, share: int, experts: int) -> list[int]:
         """Slots a fill for `layer` may take, least recently used first: free ones, and unpinned ones of other
         layers (record id // `experts`) holding more than `share` records (as a decode leaves them), down to it."""

@@ -154,7 +154,7 @@ class Residency:
         start = time.perf_counter()
         for s, f in zip(slots, futures):
             if f is not None:
-                f.result(timeout=self.cfg.io_timeout_s)
+                self._result(s, f)
                 if self.pool.pending[s] is f:  # settled: later steps skip it (a resident's hit needs no future)
                     self.pool.pending[s] = None
         waited = time.perf_counter() - start
@@ -176,9 +176,23 @@ class Residency:
         for s in slots:
             self.pool.last_use[s] = done
 
+    def _result(self, slot: int, future) -> None:
+        """Wait for a slot's fetch. A failure leaves every slot whose fetch failed empty, so that no later step
+        meets the error again (the file may be mended; the next use fetches afresh)."""
+        try:
+            future.result(timeout=self.cfg.io_timeout_s)
+        except BaseException:
+            for s, f in enumerate(self.pool.pending):
+                if f is future or (f is not None and f.done() and f.exception() is not None):
+                    self.pool.forget(s)
+            raise
+
     def settle(self) -> None:
         """Wait for every fetch in flight and every copy on the device (before addresses are handed out)."""
-        for f in self.pool.pending + (self.host.last_job if self.host else []):
+        for slot, f in enumerate(self.pool.pending):
+            if f is not None:
+                self._result(slot, f)
+        for f in self.host.last_job if self.host else []:
             if f is not None:
                 f.result(timeout=self.cfg.io_timeout_s)
         if self.device.cuda:

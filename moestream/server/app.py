@@ -4,7 +4,8 @@ Endpoints: GET /health (no key needed), GET /v1/models[/{id}], POST /v1/chat/com
 POST /v1/completions (both streaming as SSE ending in `data: [DONE]`, or not), GET /v1/stats (JSON:
 `engine` is exactly `llm.stats()`), GET /metrics (Prometheus text). Every error is OpenAI-shaped:
 {"error": {"message", "type", "param", "code"}} with 400 (bad request), 401 (key), 404 (model or
-route), 413 (body too large), 429 (queue full), 500. The app only calls the engine's public API,
+route), 408 (a body that does not arrive), 413 (body too large), 429 (queue full), 500 (the server's own
+fault), 503 (stopping). The app only calls the engine's public API,
 through one engine thread (server/worker.py).
 """
 
@@ -23,11 +24,11 @@ from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from moestream.errors import MoestreamError
+from moestream.errors import MoestreamError, RequestError
 from moestream.server.gate import Gate
 from moestream.server.metrics import ServerMetrics
 from moestream.server.protocol import APIError, ChatRequest, CompletionRequest, Shapes, parse, usage
-from moestream.server.worker import EngineWorker, Job, QueueFull
+from moestream.server.worker import EngineWorker, Job, QueueFull, ShuttingDown
 
 DRAIN_LIMIT = 64 << 20  # an oversize body up to this size is read to the end, so the client sees the 413
 
@@ -40,6 +41,7 @@ class ServerSettings:
     max_tokens_limit: int = 4096
     max_body_bytes: int = 1_000_000
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat defaults to the limit
+    request_timeout_s: float = 30.0  # a connection's request headers, and a request's body, must arrive within it
 
 
 def create_app(llm, settings: ServerSettings) -> FastAPI:
@@ -48,7 +50,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
     started = time.time()
     counts = {"total": 0, "2xx": 0, "4xx": 0, "5xx": 0}
     tokens = {"prompt": 0, "generated": 0}
-    context_length = _context_length(llm)
+    context_length = llm.context_length
 
     @asynccontextmanager
     async def lifespan(app):
@@ -58,11 +60,12 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="moestream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Gate, api_key=settings.api_key, metrics=metrics, counts=counts)
-    app.state.worker = worker
+    app.state.worker, app.state.settings = worker, settings
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        headers = {"Retry-After": "1"} if e.status == 429 else None
+        # a body that did not arrive leaves the connection mid-request: close it
+        headers = {"Retry-After": "1"} if e.status == 429 else {"Connection": "close"} if e.status == 408 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
@@ -81,6 +84,10 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """503 while the engine's last request failed by its own fault (a damaged store, a device error), so an
+        orchestrator restarts it; a request that completes clears it."""
+        if worker.fault is not None:
+            return JSONResponse({"status": "error", "error": worker.fault}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -99,13 +106,13 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await _read_json(request, settings.max_body_bytes))
+        req = parse(ChatRequest, await _read_json(request, settings))
         messages = [m.as_template_message() for m in req.messages]
         return await complete(request, req, True, lambda: llm.tokenizer.chat(messages), settings.max_tokens_limit)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await _read_json(request, settings.max_body_bytes))
+        req = parse(CompletionRequest, await _read_json(request, settings))
         prompt = req.single_prompt()
         encode = (lambda: llm.tokenizer.encode(prompt)) if isinstance(prompt, str) else (lambda: list(prompt))
         return await complete(request, req, False, encode, settings.completion_default_max_tokens)
@@ -126,6 +133,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         params = fit_context(len(ids), params, bool(req.max_tokens or req.max_completion_tokens), param)
         try:
             job = worker.submit(ids, params)
+        except ShuttingDown:
+            raise _engine_error(ShuttingDown("the server is shutting down")) from None
         except QueueFull:
             raise APIError(429, f"the server is busy ({settings.max_queue} requests waiting); retry later",
                            type="rate_limit_error", code="queue_full") from None
@@ -240,33 +249,37 @@ class _JobStream(StreamingResponse):
             self.job.cancel.set()
 
 
-def _context_length(llm) -> int | None:
-    raw = llm.config.raw
-    return raw.get("max_position_embeddings") or raw.get("text_config", {}).get("max_position_embeddings")
-
-
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _engine_error(e: Exception) -> APIError:
-    if isinstance(e, MoestreamError):
+    """The caller's mistakes are 400; a stopping server 503; anything else is the server's own fault, 500."""
+    if isinstance(e, RequestError):
         return APIError(400, str(e))
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), type="server_error", code="shutting_down")
     return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
 
 
-async def _read_json(request: Request, limit: int):
-    """The body as JSON; 413 past `limit` bytes, 400 when it does not parse."""
+async def _read_json(request: Request, settings: ServerSettings):
+    """The body as JSON; 413 past the size limit, 408 when it does not arrive in time, 400 when it does not parse."""
+    limit = settings.max_body_bytes
     declared = int(request.headers.get("content-length") or 0)
     if declared > DRAIN_LIMIT:
         raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="request_too_large")
     body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk
-        elif size > DRAIN_LIMIT:
-            break
+    try:
+        async with asyncio.timeout(settings.request_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= limit:
+                    body += chunk
+                elif size > DRAIN_LIMIT:
+                    break
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {settings.request_timeout_s:g} s",
+                       code="request_timeout") from None
     if size > limit:
         raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
     try:

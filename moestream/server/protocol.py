@@ -1,9 +1,10 @@
 """OpenAI request and response shapes: pydantic request models, their sampling parameters, errors.
 
-Requests are validated strictly ("0.5" is not a number) and unknown fields are ignored, as OpenAI
-clients send many. Differences from OpenAI, on purpose: temperature defaults to 0 (greedy) when the
-field is absent, so the same request gives the same text; `n` must be 1; logprobs, echo, suffix and
-tools are refused. Extensions: `top_k`, `repetition_penalty`, `ignore_eos`.
+Requests are validated strictly ("0.5" is not a number; strings must be valid Unicode) and unknown fields
+are ignored, as OpenAI clients send many; fields that would change the answer and are not implemented are
+refused unless their value asks for nothing (`UNSUPPORTED`). Differences from OpenAI, on purpose: temperature
+defaults to 0 (greedy) when the field is absent, so the same request gives the same text; `n` must be 1.
+Extensions: `top_k`, `repetition_penalty`, `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moestream.sampling import SamplingParams
+from moestream.errors import RequestError
+from moestream.sampling import SEED_RANGE, SamplingParams
 
 
 class APIError(Exception):
@@ -56,7 +58,7 @@ class _Request(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
@@ -71,8 +73,9 @@ class _Request(_Strict):
     def refuse_unsupported(self) -> None:
         if (self.n or 1) > 1:
             raise APIError(400, "n > 1 is not supported: send one request per completion", param="n")
-        for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
-            if getattr(self, name, None) or (self.model_extra or {}).get(name):
+        for name, neutral in UNSUPPORTED.items():
+            value = getattr(self, name, None) if name in type(self).model_fields else (self.model_extra or {}).get(name)
+            if value not in (None, False, [], {}) and not neutral(value):
                 raise APIError(400, f"'{name}' is not supported by this server", param=name)
 
     def sampling_params(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
@@ -82,11 +85,14 @@ class _Request(_Strict):
             raise APIError(400, f"{param} = {max_tokens} is above this server's limit of {max_tokens_limit}",
                            param=param)
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature or 0.0, top_p=self.top_p or 1.0,
-            top_k=max(self.top_k or 0, 0), seed=self.seed, repetition_penalty=self.repetition_penalty or 1.0,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            stop=tuple(s for s in stops if s), ignore_eos=bool(self.ignore_eos))
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature or 0.0, top_p=self.top_p or 1.0,
+                top_k=max(self.top_k or 0, 0), seed=self.seed, repetition_penalty=self.repetition_penalty or 1.0,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                stop=tuple(stops), ignore_eos=bool(self.ignore_eos))
+        except RequestError as e:
+            raise APIError(400, str(e), param=str(e).split()[0]) from None
 
 
 class ChatRequest(_Request):
@@ -113,10 +119,38 @@ class CompletionRequest(_Request):
         return p
 
 
+# fields not implemented yet, each with the values that ask for nothing beyond None, false, [] and {}
+UNSUPPORTED = {
+    "logprobs": lambda v: False, "top_logprobs": lambda v: v == 0, "echo": lambda v: False,
+    "suffix": lambda v: v == "", "tools": lambda v: False, "functions": lambda v: False,
+    "function_call": lambda v: v == "none", "tool_choice": lambda v: v in ("none", "auto"),
+    "parallel_tool_calls": lambda v: False, "response_format": lambda v: v == {"type": "text"},
+    "logit_bias": lambda v: False, "best_of": lambda v: v == 1,
+}
+
+
+def _invalid_unicode(value, path: str = "") -> str | None:
+    """The path of the first string in a decoded JSON value that is not valid Unicode (a lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        return next((p for k, v in value.items() if (p := _invalid_unicode(k, path) or
+                                                      _invalid_unicode(v, f"{path}.{k}" if path else str(k)))), None)
+    elif isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := _invalid_unicode(v, f"{path}.{i}"))), None)
+    return None
+
+
 def parse(model: type[BaseModel], data) -> BaseModel:
     """Validate a decoded JSON body; the first problem becomes an OpenAI-shaped 400."""
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if where := _invalid_unicode(data):
+        raise APIError(400, f"{where}: the string is not valid Unicode (a lone surrogate)",
+                       param=where.split(".")[0], code="invalid_unicode")
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from moestream.engine.stream import TextStream
-from moestream.errors import MoestreamError
+from moestream.errors import RequestError
 from moestream.sampling import SamplingParams
 
 log = logging.getLogger("moestream.server")
@@ -25,6 +25,10 @@ log = logging.getLogger("moestream.server")
 
 class QueueFull(Exception):
     pass
+
+
+class ShuttingDown(Exception):
+    """A job refused or stopped because the server is stopping (503)."""
 
 
 @dataclass
@@ -54,12 +58,16 @@ class EngineWorker:
         self.running: Job | None = None
         self.counts = dict(completed=0, cancelled=0, failed=0, rejected=0)
         self.busy_seconds = 0.0
+        self.fault: str | None = None  # the engine's last own failure, until a request completes again
+        self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job:
+        if self.stopping:
+            raise ShuttingDown
         job = Job(prompt_ids, params, asyncio.get_running_loop())
         try:
             self.jobs.put_nowait(job)
@@ -70,6 +78,7 @@ class EngineWorker:
 
     def cancel_all(self) -> None:
         """Stop the running job after its current token and fail the waiting ones (the server is stopping)."""
+        self.stopping = True
         if (running := self.running) is not None:
             running.cancel.set()
         while True:
@@ -79,7 +88,7 @@ class EngineWorker:
                 break
             if job is not None:
                 job.cancel.set()
-                job.emit("error", MoestreamError("the server is shutting down"))
+                job.emit("error", ShuttingDown("the server is shutting down"))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel everything, then end the thread."""
@@ -106,11 +115,13 @@ class EngineWorker:
             for piece in stream:
                 job.emit("text", piece)
             out = stream.output()
-        except Exception as e:  # a bad request must not take the engine thread down
-            if not isinstance(e, MoestreamError):
+        except Exception as e:  # no failure may take the engine thread down
+            if not isinstance(e, RequestError):  # the engine's own fault: /health says so until a request succeeds
                 log.exception("generation failed")
+                self.fault = f"{type(e).__name__}: {e}"
             self.counts["failed"] += 1
             job.emit("error", e)
             return
+        self.fault = None
         self.counts["cancelled" if out.finish_reason == "cancelled" else "completed"] += 1
         job.emit("done", out)

@@ -60,3 +60,14 @@ def test_a_bf16_only_store_runs_at_its_own_precision(tiny):
 def test_engine_options_out_of_range_are_one_line(tiny, option):
     proc = generate(tiny.store("qwen3_moe"), *option)
     assert proc.returncode == 1 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "nan"], "temperature"), (["--pool-gb", "nan"], "--pool-gb"), (["--host-gb", "-5"], "--host-gb"),
+    (["--repetition-penalty", "nan"], "repetition_penalty"), (["--presence-penalty", "nan"], "presence_penalty"),
+    (["--gpu-gb", "nan"], "--gpu-gb"), (["--seed", "1e20"], "--seed"),
+])
+def test_values_out_of_range_end_in_one_line(tiny, args, message):
+    proc = generate(tiny.store("qwen3_moe"), "--max-tokens", "2", *args)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]

@@ -19,6 +19,7 @@ SETTINGS = [
     dict(pool_gb=None, decode_mode="handshake"),
     dict(pool_gb=None, decode_mode="eager"),
     dict(pool_gb=None, warm=False),  # the graph captured at the first step instead of at load
+    dict(pool_gb=None, max_context=16),  # decode past the reserved context: the caches grow, the graph is recaptured
 ]
 
 
