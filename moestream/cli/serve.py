@@ -35,6 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "more are answered 429 (default 64)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted (default 4096)")
     p.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body (default 1 MB)")
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a connection has to send a request's headers, and a request its body (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -47,12 +49,15 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_queue", "max_tokens_limit", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise MoestreamError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.request_timeout < float("inf"):
+        raise MoestreamError("--request-timeout must be a number of seconds > 0")
     sock = listen(args.host, args.port)
     llm = open_llm(args, SERVE_DEFAULTS)
     try:
         name = args.model_name or os.path.basename(os.path.normpath(args.store))
         settings = ServerSettings(model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                                  max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
+                                  max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
+                                  request_timeout_s=args.request_timeout)
         host, port = sock.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
         print(f"serving '{name}' at {url} (OpenAI-compatible; /metrics, /v1/stats)"
