@@ -20,7 +20,7 @@ HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen4_exp")  # DeltaNet + gated at
 
 
 def normalise_model_type(model_type: str | None) -> str:
-    mt = _TYPE_ALIASES.get(model_type or "", model_type or "")
+    mt = _TYPE_ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -38,14 +38,74 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(hf)
 
 
+_REQUIRED = object()
+# beyond any real model: a corrupt count or size is refused, not allocated
+MAX_LAYERS, MAX_SIZE = 10_000, 1 << 24
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_int(value: Any, name: str, minimum: int | None = 1, maximum: int | None = None) -> int:
+    """A JSON integer (not a bool, a float or a string) in [minimum, maximum]."""
+    if (isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)):
+        bounds = {(True, True): f" in [{minimum}, {maximum}]", (True, False): f" >= {minimum}",
+                  (False, True): f" <= {maximum}", (False, False): ""}[minimum is not None, maximum is not None]
+        raise UnsupportedModelError(f"config field {name} must be an integer{bounds}, got {_shown(value)}")
+    return value
+
+
+def _int(cfg: dict[str, Any], name: str, default: Any = _REQUIRED, minimum: int | None = 1,
+         maximum: int | None = MAX_SIZE) -> int:
+    """An integer field; absent or null takes `default` (unchecked), or is refused when there is none."""
+    if cfg.get(name) is None:
+        if default is _REQUIRED:
+            raise UnsupportedModelError(f"config field {name} is missing")
+        return default
+    return _as_int(cfg[name], name, minimum, maximum)
+
+
+def _ints(cfg: dict[str, Any], name: str, minimum: int | None = 0) -> list[int]:
+    """A list of integers; absent or null is empty."""
+    values = cfg.get(name) or []
+    if not isinstance(values, list):
+        raise UnsupportedModelError(f"config field {name} must be a list of integers, got {_shown(values)}")
+    return [_as_int(v, name, minimum) for v in values]
+
+
+def _float(cfg: dict[str, Any], name: str, default: float, maximum: float = math.inf) -> float:
+    """A finite number in (0, maximum]; absent or null takes `default`."""
+    value = cfg.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= maximum or value == math.inf:
+        raise UnsupportedModelError(f"config field {name} must be a finite number in (0, {maximum}], "
+                                    f"got {_shown(value)}")
+    return float(value)
+
+
+def _bool(cfg: dict[str, Any], name: str, default: bool) -> bool:
+    value = cfg.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise UnsupportedModelError(f"config field {name} must be true or false, got {_shown(value)}")
+    return value
+
+
 def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UnsupportedModelError(f"config field rope_parameters must be an object, got {_shown(rope)}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (only default rotary)")
-    return rope
+    theta = _float(rope, "rope_theta", _float(cfg, "rope_theta", 10000.0))
+    factor = _float(rope, "partial_rotary_factor", _float(cfg, "partial_rotary_factor", 1.0, 1.0), 1.0)
+    return {"rope_theta": theta, "partial_rotary_factor": factor}
 
 
 def _layer_types(cfg: dict[str, Any], mt: str, n: int) -> tuple[str, ...]:
@@ -53,8 +113,10 @@ def _layer_types(cfg: dict[str, Any], mt: str, n: int) -> tuple[str, ...]:
         return ("full_attention",) * n
     types = cfg.get("layer_types")
     if types is None:
-        interval = cfg.get("full_attention_interval", 4)
+        interval = _int(cfg, "full_attention_interval", 4)
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise UnsupportedModelError(f"config field layer_types must be a list of names, got {_shown(types)}")
     if len(types) != n:
         raise UnsupportedModelError(f"layer_types has {len(types)} entries for {n} layers")
     known = {"linear_attention", "full_attention", "indexed_attention"}
@@ -129,66 +191,81 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        if not isinstance(hf, dict):
+            raise UnsupportedModelError(f"a model config must be a JSON object, got {_shown(hf)}")
         cfg = text_config(hf)
         mt = normalise_model_type(cfg.get("model_type"))
-        n = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        n = _int(cfg, "num_hidden_layers", maximum=MAX_LAYERS)
+        heads = _int(cfg, "num_attention_heads")
+        hidden = _int(cfg, "hidden_size")
         rope = _rope(cfg)
-        num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+        experts_key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+        num_experts = _int(cfg, experts_key, 0, minimum=0)
         if num_experts <= 0:
             raise UnsupportedModelError(f"{mt} config has no routed experts (num_experts = {num_experts})")
-        if cfg.get("use_sliding_window"):
+        if _bool(cfg, "use_sliding_window", False):
             raise UnsupportedModelError("use_sliding_window is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+        _int(cfg, "max_position_embeddings", None, maximum=None)  # the context limit (LLM.context_length)
 
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        step = _int(cfg, "decoder_sparse_step", 1)
+        mlp_only = set(_ints(cfg, "mlp_only_layers"))
         moe_layers = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(n))
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-        shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if mt != "qwen3_moe" else 0
-        attention_bias = bool(cfg.get("attention_bias", False))
-        qkv_bias = bool(cfg.get("qkv_bias", True)) if mt == "qwen2_moe" else attention_bias
+        eos_list = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        eos_ids = tuple(_as_int(e, "eos_token_id", 0) for e in eos_list)
+        shared = _int(cfg, "shared_expert_intermediate_size", 0, minimum=0) if mt != "qwen3_moe" else 0
+        attention_bias = _bool(cfg, "attention_bias", False)
+        qkv_bias = _bool(cfg, "qkv_bias", True) if mt == "qwen2_moe" else attention_bias
         default_topk_norm = mt in ("qwen3_5_moe", "qwen4_exp")
+        kv_heads = _int(cfg, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                                        f"{kv_heads}")
         kwargs: dict[str, Any] = dict(
             model_type=mt,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
             num_hidden_layers=n,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope["rope_theta"]),
-            partial_rotary_factor=float(rope["partial_rotary_factor"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_key_value_heads=kv_heads,
+            head_dim=_int(cfg, "head_dim", hidden // heads),
+            rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=rope["rope_theta"],
+            partial_rotary_factor=rope["partial_rotary_factor"],
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
             qkv_bias=qkv_bias,
             o_bias=attention_bias and mt != "qwen2_moe",
             layer_types=_layer_types(cfg, mt, n),
             moe_layers=moe_layers,
             num_experts=num_experts,
-            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            intermediate_size=int(cfg.get("intermediate_size") or 0),
+            num_experts_per_tok=_int(cfg, "num_experts_per_tok", maximum=num_experts),
+            moe_intermediate_size=_int(cfg, "moe_intermediate_size"),
+            intermediate_size=_int(cfg, "intermediate_size", 0, minimum=0),
             shared_expert_intermediate_size=shared,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", default_topk_norm)) or default_topk_norm,
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", 0) or 0),
+            norm_topk_prob=_bool(cfg, "norm_topk_prob", default_topk_norm) or default_topk_norm,
+            eos_token_ids=eos_ids,
+            mtp_num_hidden_layers=_int(cfg, "mtp_num_hidden_layers", 0, minimum=0),
             raw=cfg,
         )
         if mt in HYBRID_TYPES:
             kwargs.update(
-                linear_num_key_heads=int(cfg["linear_num_key_heads"]),
-                linear_num_value_heads=int(cfg["linear_num_value_heads"]),
-                linear_key_head_dim=int(cfg["linear_key_head_dim"]),
-                linear_value_head_dim=int(cfg["linear_value_head_dim"]),
-                linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+                linear_num_key_heads=_int(cfg, "linear_num_key_heads"),
+                linear_num_value_heads=_int(cfg, "linear_num_value_heads"),
+                linear_key_head_dim=_int(cfg, "linear_key_head_dim"),
+                linear_value_head_dim=_int(cfg, "linear_value_head_dim"),
+                linear_conv_kernel_dim=_int(cfg, "linear_conv_kernel_dim", 4),
                 output_gate_type=str(cfg.get("output_gate_type") or "sigmoid"),
             )
+            if kwargs["linear_num_value_heads"] % kwargs["linear_num_key_heads"]:
+                raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if mt == "qwen4_exp":
             kwargs.update(_qwen4_fields(cfg, hidden, kwargs))
+        rotary = int(kwargs["head_dim"] * kwargs["partial_rotary_factor"])
+        if kwargs["head_dim"] < 1 or rotary < 2 or rotary % 2:
+            raise UnsupportedModelError(f"head_dim {kwargs['head_dim']} x partial_rotary_factor "
+                                        f"{kwargs['partial_rotary_factor']} must make an even rotary dim >= 2")
         if not any(moe_layers):
             raise UnsupportedModelError("no decoder layer has routed experts")
         if any(not m for m in moe_layers) and not kwargs["intermediate_size"]:
@@ -199,16 +276,16 @@ class ModelConfig:
 def _qwen4_fields(cfg: dict[str, Any], hidden: int, kwargs: dict[str, Any]) -> dict[str, Any]:
     """qwen4_exp's extra fields, checked as transformers checks them; anything the math cannot honour is refused."""
     n, layer_types = kwargs["num_hidden_layers"], kwargs["layer_types"]
-    kwargs = {**kwargs, "head_dim": int(cfg.get("head_dim") or 256)}  # transformers' default, not hidden / heads
+    kwargs = {**kwargs, "head_dim": _int(cfg, "head_dim", 256)}  # transformers' default, not hidden / heads
     out: dict[str, Any] = dict(
         head_dim=kwargs["head_dim"],
-        hc_count=int(cfg.get("hc_count", 4)),
-        hc_lowrank=int(cfg.get("hc_lowrank", 320)),
-        ple_embed_dim=int(cfg.get("ple_embed_dim") or hidden),
-        ple_conv_kernel_size=int(cfg.get("ple_conv_kernel_size", 4)),
-        ngram_size=int(cfg.get("ngram_size", 3)),
-        heads_per_ngram=int(cfg.get("heads_per_ngram", 8)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        hc_count=_int(cfg, "hc_count", 4, minimum=None),
+        hc_lowrank=_int(cfg, "hc_lowrank", 320, minimum=None),
+        ple_embed_dim=_int(cfg, "ple_embed_dim", hidden),
+        ple_conv_kernel_size=_int(cfg, "ple_conv_kernel_size", 4, minimum=None),
+        ngram_size=_int(cfg, "ngram_size", 3, minimum=None),
+        heads_per_ngram=_int(cfg, "heads_per_ngram", 8, minimum=None),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", True),
         output_gate_type=str(cfg.get("output_gate_type") or cfg.get("hidden_act") or "silu"),
     )
     if out["hc_count"] <= 1:
@@ -217,7 +294,7 @@ def _qwen4_fields(cfg: dict[str, Any], hidden: int, kwargs: dict[str, Any]) -> d
         raise UnsupportedModelError(f"qwen4_exp needs hc_lowrank > 0, got {out['hc_lowrank']}")
     if out["output_gate_type"] not in ("sigmoid", "silu"):
         raise UnsupportedModelError(f"output_gate_type {out['output_gate_type']!r} is not supported (sigmoid or silu)")
-    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+    if cfg.get("mlp_only_layers") or _int(cfg, "decoder_sparse_step", 1) != 1:
         raise UnsupportedModelError("qwen4_exp has routed experts on every layer; mlp_only_layers and "
                                     "decoder_sparse_step are not supported")
     out.update(_ple_fields(cfg, out, n, layer_types, kwargs["eos_token_ids"]))
@@ -227,7 +304,7 @@ def _qwen4_fields(cfg: dict[str, Any], hidden: int, kwargs: dict[str, Any]) -> d
 
 def _ple_fields(cfg: dict[str, Any], out: dict[str, Any], n: int, layer_types: tuple[str, ...],
                 eos: tuple[int, ...]) -> dict[str, Any]:
-    ids = sorted(set(cfg.get("ple_layer_ids") or []))
+    ids = sorted(set(_ints(cfg, "ple_layer_ids", None)))
     if not ids:
         return {}
     if bad := [i for i in ids if not 1 <= i <= n]:
@@ -257,10 +334,10 @@ def _indexer_fields(cfg: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, An
         return {}
     if missing := [f for f in _INDEXER if cfg.get(f) is None]:
         raise UnsupportedModelError(f"QSA config is missing {', '.join(missing)}")
-    values = {f: int(cfg[f]) for f in _INDEXER}
+    values = {f: _int(cfg, f, minimum=None) for f in _INDEXER}
     if any(v <= 0 for v in values.values()):
         raise UnsupportedModelError(f"QSA config values must be positive: {values}")
-    if int(cfg.get("indexer_kv_heads") or 1) != 1:
+    if _int(cfg, "indexer_kv_heads", 1, minimum=None) != 1:
         raise UnsupportedModelError("QSA needs indexer_kv_heads = 1")
     if values["indexer_budget"] % values["indexer_compress_ratio"]:
         raise UnsupportedModelError("indexer_budget must be a multiple of indexer_compress_ratio")

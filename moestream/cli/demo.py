@@ -4,7 +4,9 @@ and run with a GPU/CPU pool a quarter of its experts, so experts really stream. 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
 import time
 
@@ -23,13 +25,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def build(home: str) -> str:
     """The demo store under `home`, built on first use (a pack is resumable, so a killed build recovers)."""
-    from moestream.experts.format import MANIFEST
+    from moestream.experts.format import FORMAT_VERSION, MANIFEST
     from moestream.packer.pack import PackOptions, pack
     from moestream.tiny import SPECIAL_TOKENS, WORDS, make_tiny_checkpoint
 
     ckpt, store = os.path.join(home, "demo-checkpoint"), os.path.join(home, "demo-store")
-    if os.path.isfile(os.path.join(store, MANIFEST)):
-        return store
+    manifest = os.path.join(store, MANIFEST)
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
+            if json.load(f).get("format_version") == FORMAT_VERSION:
+                return store
+        shutil.rmtree(store)  # the demo's own store, from an older moestream: built again
     print(f"building the demo model in {home} (once)...", file=sys.stderr)
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         vocab = len(SPECIAL_TOKENS) + len(WORDS) + 1  # the word-level tokenizer's ids, <unk> last

@@ -30,12 +30,15 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tie
         state[name] = t.to(dtype) if t.is_floating_point() else t
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
-    expected = set(model.state_dict())
-    if missing := sorted(expected - set(state)):
+    expected = model.state_dict()  # meta tensors: the names and shapes the config makes
+    if missing := sorted(set(expected) - set(state)):
         raise StoreError(f"{store.path}: tensor {missing[0]} is missing ({len(missing)} missing)")
-    if unexpected := sorted(set(state) - expected):
+    if unexpected := sorted(set(state) - set(expected)):
         raise StoreError(f"{store.path}: tensor {unexpected[0]} is not used by the {cfg.model_type} model "
                          "(an unsupported variant?)")
+    if wrong := [n for n in sorted(state) if state[n].shape != expected[n].shape]:
+        raise StoreError(f"{store.path}: tensor {wrong[0]} is {list(state[wrong[0]].shape)}, the config makes it "
+                         f"{list(expected[wrong[0]].shape)} (the manifest's config and dense.safetensors disagree)")
     model.load_state_dict(state, strict=True, assign=True)
     for module in model.modules():  # non-persistent buffers were built on the meta device
         if hasattr(module, "init_buffers"):

@@ -2,25 +2,29 @@
 
 The new file is written beside the store under a temporary name, checked, renamed, and only then does
 the manifest (rewritten atomically) mention it, so an interrupted build leaves the store as it was; the next
-build resumes from the temporary file."""
+build resumes from the temporary file. A lock file in the store lets one process derive at a time; the others wait
+and then find the file ready (or resume it, if the one deriving died)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moestream.errors import StoreError
-from moestream.experts.format import MANIFEST, RecordLayout, experts_file
-from moestream.experts.store import open_store
+from moestream.experts.format import MANIFEST, RecordLayout, experts_file, write_manifest
+from moestream.experts.store import Store, open_store
 from moestream.packer.checks import file_check
 from moestream.packer.records import derive_record
 
 BATCH = 64
+LOCK_FILE = ".derive.lock"
 
 
 def _resume_point(partial: str, stride: int) -> int:
@@ -30,15 +34,42 @@ def _resume_point(partial: str, stride: int) -> int:
     return max(0, os.path.getsize(partial) // stride - BATCH) // BATCH * BATCH
 
 
+@contextmanager
+def _store_lock(store_path: str, show_progress: bool):
+    """One derivation per store at a time, across processes; the kernel drops the lock if its holder dies."""
+    path = os.path.join(store_path, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StoreError(f"{path}: cannot create the lock for deriving experts ({e.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if show_progress:
+                print(f"waiting for another process deriving experts in {store_path}...", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def ensure_precision(store_path: str, precision: str, show_progress: bool = True) -> None:
-    store = open_store(store_path, verify=False)
-    m = store.manifest
+    m = open_store(store_path, verify=False).manifest
     if precision in m.layouts:
         return
     if precision not in ("q3", "q2"):
         raise StoreError(f"{store_path} has no {precision} experts, and only q3/q2 can be derived; pack again")
     if "q4" not in m.layouts:
         raise StoreError(f"{store_path} has no q4 experts to derive {precision} from; pack with --experts 4,3,2")
+    with _store_lock(store_path, show_progress):
+        store = open_store(store_path, verify=False)  # another process may have derived it while we waited
+        if precision not in store.manifest.layouts:
+            _derive(store, precision, show_progress)
+
+
+def _derive(store: Store, precision: str, show_progress: bool) -> None:
+    store_path, m = store.path, store.manifest
     q4 = m.layouts["q4"]
     low = RecordLayout.build(precision, q4.hidden_size, q4.intermediate_size, q4.group_size)
     total = m.geometry.num_records
@@ -69,14 +100,10 @@ def ensure_precision(store_path: str, precision: str, show_progress: bool = True
         dst.flush()
         os.fsync(dst.fileno())
     os.replace(partial, final)
-    raw = json.load(open(os.path.join(store_path, MANIFEST)))
+    with open(os.path.join(store_path, MANIFEST)) as f:
+        raw = json.load(f)
     raw["experts"]["precisions"][precision] = low.to_json()
     check = file_check(final)
     raw["files"][experts_file(precision)] = {"size": check.size, "sha256": check.sha256,
                                              "sample_sha256": check.sample_sha256}
-    tmp = os.path.join(store_path, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(raw, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(store_path, MANIFEST))
+    write_manifest(store_path, raw)  # sealed with its new checksum

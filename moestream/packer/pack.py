@@ -1,8 +1,9 @@
 """`moestream pack`: stream a checkpoint into a store, resumably, and write the manifest last.
 
-Order of work: expert records layer by layer (a progress file records finished layers, so a killed
-pack resumes where it stopped), then the dense file, the n-gram tables and the tokenizer; then a
-re-read of sampled records and tensors against the source, the checksums, and finally the manifest.
+Order of work: a progress file first (finished layers and the dense file; a pack killed at any point resumes
+where it stopped and ends byte for byte like an uninterrupted one), expert records layer by layer, the dense
+file, the n-gram tables and the tokenizer; then a re-read of sampled records and tensors against the source,
+the checksums, and finally the manifest.
 """
 
 from __future__ import annotations
@@ -66,20 +67,27 @@ def _write_json_atomic(path: str, obj: dict) -> None:
 
 
 def _prepare_output(out: str, fingerprint: dict) -> dict:
-    """Create or reuse the output folder; returns the progress record (empty for a fresh pack)."""
+    """Create or reuse the output folder; returns the progress record, written before anything else so that a
+    pack killed at any later point is recognised as unfinished."""
     os.makedirs(out, exist_ok=True)
     progress_path = os.path.join(out, PROGRESS_FILE)
     if os.path.isfile(progress_path):
-        with open(progress_path) as f:
-            progress = json.load(f)
+        try:
+            with open(progress_path) as f:
+                progress = json.load(f)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{progress_path} is unreadable ({e}); remove {out} and pack again") from None
         if progress.get("fingerprint") == fingerprint:
             return progress
         raise StoreError(f"{out} holds an unfinished pack of another source or options "
                          f"({progress.get('fingerprint', {}).get('source')}); choose another folder or remove it")
-    if os.listdir(out):
+    # a pack killed while writing its first progress record leaves only that record's temporary file
+    if set(os.listdir(out)) - {PROGRESS_FILE + ".tmp"}:
         raise StoreError(f"{out} is not empty and holds no unfinished pack of this source; "
                          "choose an empty folder")
-    return {"fingerprint": fingerprint, "layers_done": [], "dense_done": False}
+    progress = {"fingerprint": fingerprint, "layers_done": [], "dense_done": False}
+    _write_json_atomic(progress_path, progress)
+    return progress
 
 
 def _check_mlx_experts(src: CheckpointSource, plan: ExpertPlan) -> None:
@@ -103,6 +111,9 @@ def pack(src_path: str, out: str, opts: PackOptions = PackOptions()) -> Manifest
     fingerprint = _fingerprint(src, opts)
     if existing is not None:
         if existing.source.get("fingerprint") == fingerprint:
+            # a pack killed between writing its manifest and removing its progress file
+            if os.path.isfile(progress := os.path.join(out, PROGRESS_FILE)):
+                os.remove(progress)
             return existing
         raise StoreError(f"{out} already holds a different store ({existing.model_type} from "
                          f"{existing.source.get('path')}); choose another folder or remove it")

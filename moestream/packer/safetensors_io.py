@@ -8,6 +8,7 @@ file tensor by tensor behind a header computed up front.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ ST_DTYPES = {
     "U8": torch.uint8, "U32": torch.uint32, "BOOL": torch.bool,
 }
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
 @dataclass(frozen=True)
@@ -34,20 +36,38 @@ class TensorInfo:
 
 
 def read_header(path: str) -> dict[str, TensorInfo]:
+    """Every tensor's place in a safetensors file; a header that does not fit the file is refused, never trusted."""
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                why = f"the file has {size}" if n > size - 8 else f"at most {MAX_HEADER_BYTES} are allowed"
+                raise SourceError(f"{path}: not a safetensors file (its header claims {n} bytes; {why})")
             header = json.loads(f.read(n))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (OSError, struct.error, ValueError, RecursionError) as e:
         raise SourceError(f"{path}: not a readable safetensors file ({e})") from None
-    base = 8 + n
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = meta["data_offsets"]
-        out[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), base + begin, end - begin)
-    return out
+    if not isinstance(header, dict):
+        raise SourceError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return {name: _tensor_info(path, name, meta, 8 + n, size)
+            for name, meta in header.items() if name != "__metadata__"}
+
+
+def _tensor_info(path: str, name: str, meta, base: int, size: int) -> TensorInfo:
+    try:
+        dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+        ok = isinstance(dtype, str) and all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise SourceError(f"{path}: tensor {name} has a malformed header entry")
+    if not begin <= end <= size - base:
+        raise SourceError(f"{path}: tensor {name} lies past the end of the file (data bytes {begin}..{end} of "
+                          f"{size - base}); the file is truncated or corrupt")
+    if dtype in ST_DTYPES and end - begin != math.prod(shape) * ST_DTYPES[dtype].itemsize:
+        raise SourceError(f"{path}: tensor {name} holds {end - begin} bytes, its shape {list(shape)} "
+                          f"of {dtype} needs {math.prod(shape) * ST_DTYPES[dtype].itemsize}")
+    return TensorInfo(path, dtype, shape, base + begin, end - begin)
 
 
 def _as_tensor(buf: bytearray, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:

@@ -13,6 +13,10 @@ def test_demo_runs_end_to_end_and_says_weights_are_random(tmp_path):
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0 and "building" not in second.stderr
     assert second.stdout == first.stdout  # deterministic: built and sampled the same way
+    manifest = tmp_path / "demo-store" / "manifest.json"  # a demo store of an older format is built again
+    manifest.write_text(manifest.read_text().replace('"format_version": 2', '"format_version": 1'))
+    third = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0 and "building" in third.stderr and third.stdout == first.stdout
 
 
 def test_chat_keeps_history(tiny):

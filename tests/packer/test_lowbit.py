@@ -1,8 +1,11 @@
-"""A Q3/Q2 file derived from a finished Q4 store equals the one `pack` writes, and a cut-short derivation
-resumes from its temporary file instead of starting over."""
+"""A Q3/Q2 file derived from a finished Q4 store equals the one `pack` writes, a cut-short derivation
+resumes from its temporary file instead of starting over, and processes deriving at once take turns."""
 
 import glob
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -57,3 +60,43 @@ def test_a_temporary_file_longer_than_the_result_is_cut_back(packed, tiny, tmp_p
     (store / partial_name).write_bytes(want + b"\xff" * (len(want) // 4))
     lowbit.ensure_precision(str(store), "q3", show_progress=False)
     assert (store / "experts.q3.bin").read_bytes() == want
+
+
+DERIVE_ON_GO = r"""
+import os, sys, time
+from moestream.packer import lowbit
+
+real = lowbit.derive_record
+lowbit.BATCH = 8
+
+
+def slow(*args):  # long enough for the other process to start while this one derives
+    time.sleep(0.1)
+    return real(*args)
+
+
+lowbit.derive_record = slow
+open(sys.argv[2], "w").close()
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.002)
+lowbit.ensure_precision(sys.argv[1], "q2", show_progress=False)
+"""
+
+
+def test_two_processes_deriving_at_once_both_succeed(tiny, tmp_path):
+    alone = q4_only(tiny, tmp_path / "alone")
+    lowbit.ensure_precision(str(alone), "q2", show_progress=False)
+    store, go = q4_only(tiny, tmp_path / "shared"), tmp_path / "go"
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", DERIVE_ON_GO, str(store), str(r), str(go)],
+                              stderr=subprocess.PIPE, text=True) for r in ready]
+    deadline = time.time() + 120
+    while not all(r.exists() for r in ready) and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    go.touch()
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    for name in ("experts.q2.bin", "manifest.json"):
+        assert (store / name).read_bytes() == (alone / name).read_bytes(), name
+    assert not glob.glob(str(store / "*.partial"))
