@@ -79,7 +79,12 @@ def stage_run(args, state: dict) -> None:
         options, meaning = ROWS[name]
         options = dict(options)
         host = options.pop("host", False)
-        llm = LLM(path, device=args.device, host_gb=1.01 * q4_total if host else 0, preload=True, **options)
+        try:
+            llm = LLM(path, device=args.device, host_gb=1.01 * q4_total if host else 0, preload=True, **options)
+        except MoestreamError as e:  # a budget the load cannot meet is a finding, not the end of the stage
+            state.setdefault("refused", {})[name] = str(e)
+            print(f"{name}: {e}")
+            continue
         try:
             base = {"model": STORE, "engine": "moestream", "row": name, "meaning": meaning, "pool": 0.0,
                     "host_tier": host, "memory": llm.stats()["memory"]}
