@@ -32,6 +32,7 @@ class Decoder:
         self.routed = torch.zeros(len(model.moe_blocks()), model.config.num_experts_per_tok, dtype=torch.long,
                                   device=device)
         self.graph, self.logits, self.graph_replays = None, None, 0
+        self.graph_capacity = None  # the state's capacity when the graph was captured
         self.state = None  # the static steps' own state, which the graph reads and writes
         if self.static:
             self.state = self._static_state()
@@ -56,8 +57,8 @@ class Decoder:
             state.reserve(self.max_context)
         if state.length >= state.capacity:
             state.reserve(2 * state.capacity)
-            if state is self.state:
-                self.graph = None  # its buffers moved
+        if state is self.state and state.capacity != self.graph_capacity:
+            self.graph = None  # its buffers moved: a step grew them, or a prompt past max_context did
         self.model.stage_step(state.tokens, token)
         self.token.fill_(token)
         self.position.fill_(state.length)
@@ -97,7 +98,7 @@ class Decoder:
         return self.model.logits(self.model(self.token, state, ctx))
 
     def _capture(self, addresses: torch.Tensor) -> None:
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph, self.graph_capacity = torch.cuda.CUDAGraph(), self.state.capacity
         with torch.cuda.graph(self.graph):
             self.logits = self._run(self.state, addresses)
 
