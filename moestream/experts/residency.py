@@ -11,6 +11,7 @@ Mixed mode (`miss_precision`): a cached record keeps its precision, and a hit or
 from __future__ import annotations
 
 import time
+from concurrent import futures
 
 import torch
 
@@ -182,8 +183,10 @@ class Residency:
         try:
             future.result(timeout=self.cfg.io_timeout_s)
         except BaseException:
-            for s, f in enumerate(self.pool.pending):
-                if f is future or (f is not None and f.done() and f.exception() is not None):
+            pending = [(s, f) for s, f in enumerate(self.pool.pending) if f is not None]
+            futures.wait([f for _, f in pending], timeout=self.cfg.io_timeout_s)  # the step's other fetches too
+            for s, f in pending:
+                if f is future or (f.done() and f.exception() is not None):
                     self.pool.forget(s)
             raise
 
