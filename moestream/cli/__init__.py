@@ -13,11 +13,13 @@ from moestream.errors import MoestreamError
 COMMANDS = {
     "pack": "pack a Hugging Face or MLX checkpoint folder into a store",
     "generate": "generate a completion for one prompt",
+    "perplexity": "score a text file: perplexity over sliding windows (any expert precision)",
     "chat": "chat in the terminal (keeps history, uses the chat template)",
     "serve": "serve an OpenAI-compatible HTTP API",
     "stats": "show what a running server's expert cache is doing",
     "demo": "build a tiny model, pack it and run it with a pool smaller than the model",
     "bench": "run a stage of the benchmark suite (from a checkout)",
+    "simulate": "replay a routing trace through cache policies at several pool sizes",
 }
 
 

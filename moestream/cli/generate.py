@@ -15,14 +15,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids", "stats"}')
+    p.add_argument("--trace-routing", metavar="FILE",
+                   help="write every MoE layer's routed experts for each token processed, as JSON lines "
+                        "(for `moestream simulate`)")
 
 
 def run(args: argparse.Namespace) -> int:
     from moestream.engine.stream import TextStream
 
     params = sampling_params(args)
+    trace = open(args.trace_routing, "w") if args.trace_routing else None  # a bad path fails before the load
     llm = open_llm(args)
     try:
+        if trace is not None:
+            llm.provider.trace(trace)
         tok = llm.tokenizer
         ids = tok.encode(args.prompt) if args.raw else tok.chat([{"role": "user", "content": args.prompt}])
         stream = TextStream(llm, ids, params)
@@ -37,5 +43,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
         report(out)
     finally:
+        if trace is not None:
+            llm.provider.trace(None)  # writes the steps not counted yet
+            trace.close()
         llm.close()
     return 0

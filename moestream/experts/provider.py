@@ -27,6 +27,7 @@ from moestream.experts.grouping import AddressedExperts, ExpertBatch, batch_of, 
 from moestream.experts.residency import Residency
 from moestream.experts.ring import RingAhead, RingPath
 from moestream.experts.store import Store
+from moestream.stats.trace import RoutingTrace
 
 
 @dataclass
@@ -65,6 +66,8 @@ class ExpertProvider:
             return
         res = self.residency
         res.flush()  # count earlier addressed steps before this step changes residency
+        if res.trace is not None:
+            res.trace.step(layer, ids.tolist())
         g = group_by_expert(ids, self.geometry.num_experts)
         res.pool.new_step()
         ahead, step.ahead = step.ahead, None  # good for the next layer's ring step only
@@ -92,6 +95,15 @@ class ExpertProvider:
 
     def note_addressed(self, routed: torch.Tensor) -> None:
         self.residency.note_addressed(routed)
+
+    def trace(self, sink) -> None:
+        """Record every counted step's routing to `sink` (a text file or a list; stats/trace.py), or stop with None.
+        Steps read by address are written when they are counted, so before the sink is read, stop."""
+        res = self.residency
+        res.flush()
+        g = self.geometry
+        res.trace = None if sink is None else RoutingTrace(sink, g.num_layers, g.num_experts, self.top_k,
+                                                           self.cfg.prefill_min_rows)
 
     @contextlib.contextmanager
     def uncounted(self):

@@ -48,6 +48,7 @@ class Residency:
         self.profiler = Profiler(cfg.profile and self.device.cuda)
         self.changed = True  # pool residency changed since the address table was built (addresses.py)
         self._addressed: list[torch.Tensor] = []  # expert ids of steps read by address, not counted yet
+        self.trace = None  # a stats.trace.RoutingTrace while routing is recorded (the provider's `trace`)
 
     # -- counting -------------------------------------------------------------------------------------
     def lookup(self, layer: int, rid: int) -> int | None:
@@ -90,8 +91,13 @@ class Residency:
         read. A pool record is a hit; any other a miss read in place from the host tier, as the table points."""
         if not self._addressed:
             return
-        ids = torch.stack(self._addressed).cpu().sort(-1).values  # [steps, layers, top_k]
+        ids = torch.stack(self._addressed).cpu()  # [steps, layers, rows * top_k]
         self._addressed = []
+        if self.trace is not None:  # in step order: a host step flushes these before it runs
+            for step in ids.view(*ids.shape[:2], -1, self.trace.top_k).tolist():  # [layers][rows][top_k]
+                for layer, rows in enumerate(step):
+                    self.trace.step(layer, rows)
+        ids = ids.sort(-1).values
         g, routed_layers = self.geometry, ids.shape[1]  # the trunk's layers: an MTP layer's records come after
         distinct = torch.ones_like(ids, dtype=torch.bool)
         distinct[..., 1:] = ids[..., 1:] != ids[..., :-1]
