@@ -1,6 +1,6 @@
 """moestream simulate TRACE [--pools F,...] [--slots N,...] [--json]: replay a routing trace (`generate
 --trace-routing`) through LRU, LFU, the engine's own policy and Belady's optimum (MIN) at several pool sizes, and
-show how often each layer's token t+1 reuses token t's experts (stats/cache_sim.py)."""
+show how often each layer's token t+1 reuses token t's experts (stats/cache_sim.py, experts/replay.py)."""
 
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moestream.stats import cache_sim, trace
+    from moestream.experts.replay import simulate
+    from moestream.stats import trace
 
     try:
         t = trace.load(args.trace)
     except ValueError as e:
         raise MoestreamError(str(e)) from None
     slots = args.slots or [min(t.records, round(f * t.records)) for f in args.pools]
-    out = cache_sim.simulate(t, slots, args.lookahead, args.preload)
+    out = simulate(t, slots, args.lookahead, args.preload)
     if args.json:
         print(json.dumps(out))
         return 0

@@ -70,6 +70,16 @@ class ExpertPool:
             self.rid_of[slot] = None
         self.pending[slot] = self.ready[slot] = self.precision_of[slot] = None
 
+    def ring_room(self, layer: int, used: set[int], hits: int, layers: int, experts: int):
+        """What a ring step of `layer` using experts `used` (`hits` of them resident) may keep in the pool: the
+        layer's resident slots it does not use (idle), the other slots a fill may take (spare), how many of those
+        (room), and the layer's share (slots // layers)."""
+        idle = [slot for e in range(experts) if e not in used and (slot := self.slot_of.get(layer * experts + e))
+                is not None]
+        share = self.num_slots // layers
+        room = share - len(idle) - hits
+        return idle, self.spare(layer, share, experts) if room > 0 else [], room, share
+
     def spare(self, layer: int, share: int, experts: int) -> list[int]:
         """Slots a fill for `layer` may take, least recently used first: free ones, and unpinned ones of other
         layers (record id // `experts`) holding more than `share` records (as a decode leaves them), down to it."""

@@ -38,14 +38,8 @@ class RingPath:
         rids = [geometry.rid(layer, e) for e in g.experts]
         hits = [res.lookup(layer, rid) for rid in rids]  # every hit first, pinned before any fill evicts
         waits = [pool.pending[s] if s is not None else None for s in hits]
-        used, idle = set(g.experts), []
-        for e in range(geometry.num_experts):
-            slot = None if e in used else pool.slot_of.get(geometry.rid(layer, e))
-            if slot is not None:
-                idle.append(slot)
-        share = pool.num_slots // geometry.num_layers
-        room = share - len(idle) - sum(s is not None for s in hits)
-        spare = pool.spare(layer, share, geometry.num_experts) if room > 0 else []
+        idle, spare, room, share = pool.ring_room(layer, set(g.experts), sum(s is not None for s in hits),
+                                                  geometry.num_layers, geometry.num_experts)
         guesses = ahead.fetches if ahead is not None and ahead.layer == layer else {}
         plan = plan_ring(g.counts, rids, hits, [w is None or w.done() for w in waits], idle, spare, room, share,
                          pool.ring_slot(0), pool.ring_slots, self.group, {r: rid for r, (rid, _) in guesses.items()})

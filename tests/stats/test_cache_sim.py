@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from moestream.experts import replay
 from moestream.stats import cache_sim
 from moestream.stats.trace import RoutingTrace, parse
 
@@ -43,7 +44,7 @@ def test_a_cycle_one_longer_than_the_pool_defeats_lru_but_not_min():
     assert cache_sim.lru(seq, 3) == 0
     assert cache_sim.belady(seq, 3) == optimum(seq, 3) > 0
     t = trace_of([[[e]] for e in seq], experts=4)
-    assert cache_sim.engine(t, 3) == 0  # decode steps: LRU over slots
+    assert replay.engine(t, 3) == 0  # decode steps: LRU over slots
 
 
 def test_a_hot_record_among_a_scan_favours_lfu():
@@ -75,7 +76,7 @@ def test_min_bounds_the_engine_on_random_traces(seed):
     t = parse(lines)
     seq = cache_sim.lookups(t)
     for slots in (2, 6, 12, 24):
-        hits = {p: cache_sim.simulate(t, [slots])["hits"][p][0] for p in cache_sim.POLICIES}
+        hits = {p: replay.simulate(t, [slots])["hits"][p][0] for p in replay.POLICIES}
         assert hits["min"] == max(hits.values()), (slots, hits)
     assert cache_sim.belady(seq, t.records) == len(seq) - len(set(seq))
 
@@ -83,10 +84,10 @@ def test_min_bounds_the_engine_on_random_traces(seed):
 def test_a_full_pool_misses_only_the_first_use_of_each_record():
     rng = random.Random(1)
     t = trace_of([[rng.sample(range(8), 2) for _ in range(2)] for _ in range(40)], experts=8)
-    out = cache_sim.simulate(t, [t.records])
+    out = replay.simulate(t, [t.records])
     compulsory = out["lookups"] - out["compulsory"]
     assert all(h == [compulsory] for h in out["hits"].values()), out["hits"]
-    assert cache_sim.engine(t, t.records, preloaded=True) == out["lookups"]
+    assert replay.engine(t, t.records, preloaded=True) == out["lookups"]
 
 
 def test_the_ring_keeps_a_layers_most_used_experts_within_its_share():
@@ -96,7 +97,7 @@ def test_the_ring_keeps_a_layers_most_used_experts_within_its_share():
     rec.step(0, [[3]])
     rec.step(0, [[5]])
     rec.step(0, [[1]])
-    assert cache_sim.engine(parse(lines), 4) == 2  # 3 and 5 stayed, 1 streamed through the ring
+    assert replay.engine(parse(lines), 4) == 2  # 3 and 5 stayed, 1 streamed through the ring
 
 
 def test_reuse_counts_token_to_token_overlap_per_layer():
