@@ -32,7 +32,8 @@ for stage in "$@"; do
     stores-bg) setsid python -m benchmarks.suite stores --work "$WORK" --out "$OUT/suite" > "$WORK/stores.log" 2>&1 &
                echo $! > "$WORK/stores.pid" ;;  # setsid: the build outlives a call cut short
     limits) wait_stores; suite 120 limits ;;
-    tests) python -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -40 ;;
+    tests) timeout "${TESTS_SECONDS:-400}" python -m pytest -q -m gpu tests --ignore=tests/kernels --ignore=tests/quant \
+             2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -25 ;;  # kernels and quant: kernel-tests
     invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     kernel-tests) timeout 400 python -m pytest -q -n 8 -m gpu ${KERNEL_TESTS:-tests/kernels tests/quant} 2>&1 \
                   | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
@@ -48,6 +49,18 @@ for stage in "$@"; do
               timeout "${FLAGSHIP_SECONDS:-580}" python -m benchmarks.flagship run --work "$WORK" --out "$OUT/flagship" \
                 "${st[@]}" ${FLAGSHIP_ARGS:-} 2>&1 | tee "$OUT/flagship.log" | tail -20
               cp "$OUT/flagship/flagship.json" "$f" ;;  # FLAGSHIP_ARGS="--rows 24gb-host,..."
+    train-bg)  # issue 28's demo model: a 30-step probe sizes --steps to ~TRAIN_SECONDS alone, then trains in the background
+      T=(--data "${TRAIN_DATA:-.device/corpus}" --device cuda --batch 64 --seq 512 --lr 2e-3 --warmup 200)
+      python -m training.train "${T[@]}" --out "$WORK/probe" --stop-at 30 --eval-every 0 > "$OUT/train-probe.log" 2>&1
+      steps=$(python -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-2]; \
+print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK/probe/log.jsonl") || steps=2000
+      echo "probe: $(tail -2 "$OUT/train-probe.log" | head -1); --steps $steps"
+      setsid python -m training.train "${T[@]}" --out "$WORK/train" --steps "$steps" --eval-every 500 \
+        --ckpt-every 1000 > "$WORK/train.log" 2>&1 & echo $! > "$WORK/train.pid" ;;
+    train-wait)  # the exported model comes back as 15 MiB parts: cat model.tgz.* | tar xz
+      while kill -0 "$(cat "$WORK/train.pid")" 2>/dev/null; do sleep 2; done
+      cp "$WORK/train.log" "$OUT/"; tail -4 "$WORK/train.log"
+      tar czf - -C "$WORK/train" model log.jsonl | split -b 15M - "$OUT/model.tgz." ;;
     e2e) e2e 300 e2e --decode --prefill ;;
     decode) e2e 200 decode --decode --profile ;;
     overlap) e2e 240 overlap --prefill --fracs 0.25 --lengths 4096 --host-gb 24 --warm --trace ;;
@@ -57,4 +70,5 @@ done
 wait_stores
 [ -f "$WORK/stores.log" ] && cp "$WORK/stores.log" "$OUT/"
 echo "=== done $(date +%T)"
-tar czf "$WORK/results.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "$WORK/results.tgz" "$OUT/results.tgz"
+tar czf "$WORK/results.tgz" --exclude='./model.tgz.*' -C "$OUT" . \
+  && find "${OUT:?}" -mindepth 1 -maxdepth 1 ! -name 'model.tgz.*' -exec rm -rf {} + && mv "$WORK/results.tgz" "$OUT/"

@@ -43,7 +43,7 @@ def model_config(vocab_size: int = 4096, **overrides) -> Qwen3MoeConfig:
     """The shipped geometry (`store_bytes` ~20 MB at Q4); overrides make tiny test models."""
     kwargs = dict(SHIPPED, vocab_size=vocab_size, max_position_embeddings=2048, rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, norm_topk_prob=True,
-                  tie_word_embeddings=False, eos_token_id=1, pad_token_id=None, router_aux_loss_coef=0.01,
+                  tie_word_embeddings=False, eos_token_id=[1, 0], pad_token_id=None, router_aux_loss_coef=0.01,
                   mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
     kwargs.update(overrides)  # no pad id: nn.Embedding would freeze that row, and <|endoftext|> (0) separates documents
     return Qwen3MoeConfig(**kwargs)
