@@ -32,8 +32,8 @@ for stage in "$@"; do
     stores-bg) setsid python -m benchmarks.suite stores --work "$WORK" --out "$OUT/suite" > "$WORK/stores.log" 2>&1 &
                echo $! > "$WORK/stores.pid" ;;  # setsid: the build outlives a call cut short
     limits) wait_stores; suite 120 limits ;;
-    tests) timeout "${TESTS_SECONDS:-400}" python -m pytest -q -m gpu tests --ignore=tests/kernels --ignore=tests/quant \
-             2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -25 ;;  # kernels and quant: kernel-tests
+    tests) timeout "${TESTS_SECONDS:-400}" python -m pytest -q -m gpu tests --ignore=tests/kernels --ignore=tests/quant --ignore=tests/server \
+             2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^$" | tail -25 ;;  # kernels, quant: kernel-tests; server: no fastapi there
     invariance) timeout 150 python -m pytest -q -m gpu -s tests/engine 2>&1 | tee "$OUT/gpu-invariance.log" | grep -v "^$" | tail -30 ;;
     kernel-tests) timeout 400 python -m pytest -q -n 8 -m gpu ${KERNEL_TESTS:-tests/kernels tests/quant} 2>&1 \
                   | tee "$OUT/gpu-kernel-tests.log" | tail -4 ;;
