@@ -81,8 +81,8 @@ class MTP(nn.Module):
         Returns ([B, T, H] hidden for the shared lm_head, [B*T, E] router logits)."""
         x = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.fc(x)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        # the cache goes by position: transformers 5.17 names it past_key_values, later versions cache
+        mask = create_causal_mask(self.config, x, None, None, position_ids=position_ids)
         routers: list[torch.Tensor] = []
         hook = self.layers[0].mlp.gate.register_forward_hook(lambda m, i, out: routers.append(out[0]))
         try:
