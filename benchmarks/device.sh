@@ -44,7 +44,7 @@ for stage in "$@"; do
     suite-lowbit) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b="$STORE" --modes low-bit ;;
     suite-next) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3.8-flash-next="$WORK/qwen3.8-flash-next" ;;
     suite-peers) wait_stores; suite "${PEERS_SECONDS:-${SUITE_SECONDS:-580}}" peers ;;
-    flagship-store) timeout 580 python -m benchmarks.flagship store --work "$WORK" 2>&1 | tee "$OUT/flagship-store.log" ;;
+    flagship-store) timeout 580 python -m benchmarks.flagship store --work "$WORK" ${FLAGSHIP_STORE_ARGS:-} 2>&1 | tee "$OUT/flagship-store.log" ;;
     flagship) mkdir -p "$WORK/state"; f="$WORK/state/flagship.json"; st=(); [ -f "$f" ] && st=(--state "$f")
               timeout "${FLAGSHIP_SECONDS:-580}" python -m benchmarks.flagship run --work "$WORK" --out "$OUT/flagship" \
                 "${st[@]}" ${FLAGSHIP_ARGS:-} 2>&1 | tee "$OUT/flagship.log" | tail -20

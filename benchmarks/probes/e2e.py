@@ -29,22 +29,32 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def profile_decode(llm: LLM, ids: list[int], steps: int = 32) -> list[tuple[str, float]]:
-    """Top kernels (CUDA microseconds per decode step, graph replays' kernels too): a generate of 1 + steps
-    tokens less one of 1 token, so the prompt's prefill cancels."""
+def kernel_us(llm: LLM, ids: list[int], tokens: int) -> dict[str, float]:
+    """CUDA microseconds by kernel name (graph replays' kernels too) for one generate of `tokens` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    def per_kernel(tokens: int) -> dict[str, float]:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate([ids], SamplingParams(max_tokens=tokens, ignore_eos=True))
-        return {e.key: e.device_time_total for e in prof.key_averages()}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([ids], SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return {e.key: e.device_time_total for e in prof.key_averages()}
 
-    prefill, total = per_kernel(1), per_kernel(1 + steps)
-    rows = sorted(((k, (us - prefill.get(k, 0.0)) / steps) for k, us in total.items()), key=lambda r: -r[1])[:30]
-    print(f"  {sum(us for _, us in rows):9.1f} us/step in the top {len(rows)} kernels")
-    for name, us in rows:
-        print(f"  {us:9.1f} us/step  {name[:100]}")
+
+def _top(us: dict[str, float], unit: str) -> list[tuple[str, float]]:
+    rows = sorted(us.items(), key=lambda r: -r[1])[:30]
+    print(f"  {sum(us.values()):9.1f} {unit} in {len(us)} kernels, the top {len(rows)}:")
+    for name, t in rows:
+        print(f"  {t:9.1f} {unit}  {name[:100]}")
     return rows
+
+
+def profile_decode(llm: LLM, ids: list[int], steps: int = 32) -> list[tuple[str, float]]:
+    """Top kernels per decode step: a generate of 1 + steps tokens less one of 1 token, so the prompt's
+    prefill cancels."""
+    prefill, total = kernel_us(llm, ids, 1), kernel_us(llm, ids, 1 + steps)
+    return _top({k: (us - prefill.get(k, 0.0)) / steps for k, us in total.items()}, "us/step")
+
+
+def profile_prefill(llm: LLM, n: int = 4096) -> list[tuple[str, float]]:
+    return _top(kernel_us(llm, prompt(n, llm.config.vocab_size, seed=n), 1), f"us/prefill of {n}")
 
 
 def decode_runs(store: str, tokens: int = 64, profile: bool = False,
@@ -61,6 +71,8 @@ def decode_runs(store: str, tokens: int = 64, profile: bool = False,
         print(rows[-1])
         if profile and mode in ("graph", "eager"):
             rows[-1]["profile_us_per_step"] = profile_decode(llm, ids)
+        if profile and mode == "graph":
+            rows[-1]["profile_prefill_us"] = profile_prefill(llm)
         llm.close()
         torch.cuda.empty_cache()
     return rows
@@ -176,7 +188,7 @@ def main() -> None:
     p.add_argument("--host-gb", type=float, default=0.0)
     p.add_argument("--warm", action="store_true", help="run each prompt once before timing it")
     p.add_argument("--decode-modes", default="graph,eager,handshake")
-    p.add_argument("--profile", action="store_true", help="break graphed and eager decode steps down by kernel")
+    p.add_argument("--profile", action="store_true", help="break graphed and eager decode steps, and a graphed run's prefill of 4096, down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
     p.add_argument("--ring-groups", default=str(ExpertConfig.ring_group),
                    help="prefill: experts per ring batch, one run each (e.g. 8,16)")

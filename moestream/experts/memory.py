@@ -18,18 +18,31 @@ PAGE = 4096
 
 
 def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A page-aligned uint8 host tensor (pinned when `pinned`), so that O_DIRECT reads can land in it."""
-    if pinned:
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        if t.data_ptr() % PAGE == 0:
-            return t
-        t = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=True)
-        off = (-t.data_ptr()) % PAGE
-        return t[off: off + nbytes]
-    mm = mmap.mmap(-1, max(nbytes, 1))
+    """A page-aligned uint8 host tensor (pinned when `pinned`), so that O_DIRECT reads can land in it.
+    Pinned memory is an anonymous mapping registered with CUDA: torch's pinned allocator rounds every
+    request up to a power of two, so a 70 GB host tier would ask for 128 GiB."""
+    mm = (_PinnedMapping if pinned else mmap.mmap)(-1, max(nbytes, 1))
     t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    if pinned and nbytes:
+        mm.register(t.data_ptr(), nbytes)
     t._moestream_mmap = mm  # keep the mapping alive as long as the tensor
     return t
+
+
+class _PinnedMapping(mmap.mmap):
+    """An anonymous mapping that stays page-locked for CUDA from `register` until it is freed."""
+
+    ptr = None
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        if err := int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)):
+            raise MoestreamError(f"cannot pin {nbytes / 1e9:.1f} GB of host memory (CUDA error {err}): "
+                                 "ask for a smaller --host-gb")
+        self.ptr = ptr
+
+    def __del__(self) -> None:  # before the base class unmaps the pages
+        if self.ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
 
 
 class NullEvent:
