@@ -241,5 +241,11 @@ class LLM:
                 "peak_allocated": self.peak_gpu_bytes}
 
     def close(self) -> None:
+        """Stop the fetch threads and let go of the pool, the pinned host tier and the n-gram tables, so that
+        another engine can load in this process (the load froze its objects out of the collector's reach)."""
+        if self.provider is None:
+            return
         self.provider.close()
+        self.decoder = self.provider = self.model = self.prefix_cache = None
         gc.unfreeze()
+        gc.collect()

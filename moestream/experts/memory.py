@@ -36,6 +36,8 @@ class _PinnedMapping(mmap.mmap):
 
     def register(self, ptr: int, nbytes: int) -> None:
         if err := int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)):
+            with contextlib.suppress(RuntimeError):  # a launch check consumes the failure, else the next one reports it
+                torch.zeros(1, device="cuda")
             raise MoestreamError(f"cannot pin {nbytes / 1e9:.1f} GB of host memory (CUDA error {err}): "
                                  "ask for a smaller --host-gb")
         self.ptr = ptr
