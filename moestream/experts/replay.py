@@ -4,7 +4,7 @@ stats/cache_sim.py: `simulate` is what `moestream simulate` prints.
 
 `engine`: a step of at least `prefill_min_rows` rows, or of more distinct experts than slots, is a ring step (hits
 pinned, fills as `plan_ring` plans them, the rest streamed and never cached); any other is a decode step (hits
-pinned, misses into the least recently used unpinned slots). Decode lookahead guesses layer L+1's experts from layer
+pinned, misses into the slots the pool's eviction picks). Decode lookahead guesses layer L+1's experts from layer
 L's hidden state, which a trace cannot know: `engine` is the engine with `--no-lookahead`, and `lookahead=True`
 models a perfect guess (the next layer's actual experts), an upper bound of what lookahead adds. With `preloaded`,
 a pool that holds every record starts full, as the engine preloads one on CUDA.

@@ -1,11 +1,30 @@
 """`moestream demo` and `moestream chat` from a fresh home folder, on CPU."""
 
+import os
+import re
 import subprocess
 import sys
 
+ENGLISH = set("the a an of to and in is are be for that this it with as by on or not from can which if its "
+              "function module file value type data used use return set default name new object method "
+              "python list see also when all one may has".split())
 
-def test_demo_runs_end_to_end_and_says_weights_are_random(tmp_path):
-    cmd = [sys.executable, "-m", "moestream", "demo", "--home", str(tmp_path), "--device", "cpu", "--max-tokens", "16"]
+
+def test_demo_runs_the_trained_model_from_the_package(tmp_path):
+    cmd = [sys.executable, "-m", "moestream", "demo", "--device", "cpu", "--max-tokens", "32"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ | {"HOME": str(tmp_path)})
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("Python is") and "trained weights" in first.stderr and "hits" in first.stderr
+    words = re.findall(r"[A-Za-z]+", first.stdout)
+    assert len(words) >= 10 and sum(w.lower() in ENGLISH for w in words) >= len(words) // 3  # words, not noise
+    assert not os.listdir(tmp_path)  # nothing built, nothing cached: the model ships in the package
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert second.stdout == first.stdout  # seeded
+
+
+def test_demo_random_builds_once_and_says_weights_are_random(tmp_path):
+    cmd = [sys.executable, "-m", "moestream", "demo", "--random", "--home", str(tmp_path), "--device", "cpu",
+           "--max-tokens", "16"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     assert len(first.stdout.split()) >= 8  # random words, not broken bytes

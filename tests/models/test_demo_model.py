@@ -1,0 +1,66 @@
+"""The package's trained demo model (`moestream/demo_model`) against transformers: its Q4 experts dequantized
+into a Hugging Face checkpoint that transformers loads unchanged, and the same greedy tokens on CPU and GPU."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moestream.cli.demo import DEMO_STORE
+from moestream.engine.llm import LLM
+from moestream.quant.affine import dequantize
+from moestream.sampling import SamplingParams
+from tests.models.oracle import assert_logits_close, hf_logits
+from tests.packer.helpers import load_manifest, read_record
+
+PROMPT = "The module defines a new type, function, or method, which can be used to"
+
+
+def dequantized_checkpoint(out: str) -> str:
+    """The demo store as a transformers checkpoint: dense tensors as stored, each expert its Q4 record in fp32."""
+    tensors = {k: v.float() for k, v in load_file(os.path.join(DEMO_STORE, "dense.safetensors")).items()}
+    g = load_manifest(DEMO_STORE).geometry
+    for index, layer in enumerate(g.layer_ids):
+        prefix = f"model.layers.{layer}" if layer >= 0 else f"mtp.layers.{-1 - layer}"
+        for e in range(g.num_experts):
+            rec = read_record(DEMO_STORE, "q4", g.rid(index, e))
+            for p in ("gate", "up", "down"):
+                w = dequantize(rec[f"{p}_w"], rec[f"{p}_s"], rec[f"{p}_b"]).float()
+                tensors[f"{prefix}.mlp.experts.{e}.{p}_proj.weight"] = w
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(DEMO_STORE, name), os.path.join(out, name))
+    return out
+
+
+def test_the_demo_model_ships_its_mtp_head():
+    m = json.load(open(os.path.join(DEMO_STORE, "manifest.json")))
+    assert m["config"]["mtp_num_hidden_layers"] == 1
+    assert load_manifest(DEMO_STORE).geometry.layer_ids[-1] == -1  # the MTP layer's experts: one more record layer
+    assert "mtp.fc.weight" in load_file(os.path.join(DEMO_STORE, "dense.safetensors"))
+
+
+def test_the_demo_models_logits_equal_transformers(tmp_path):
+    llm = LLM(DEMO_STORE, device="cpu", dtype="float32")
+    ids = torch.tensor(llm.tokenizer.encode(PROMPT * 4))
+    ref = hf_logits(dequantized_checkpoint(str(tmp_path / "hf")), ids)
+    assert_logits_close(llm.logits(ids), ref)
+    llm.close()
+
+
+def greedy(device: str) -> list[int]:
+    llm = LLM(DEMO_STORE, device=device, pool_gb=56 * load_manifest(DEMO_STORE).layouts["q4"].stride / 1e9 * 1.0001)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=48, temperature=0))[0].token_ids
+    llm.close()
+    return out
+
+
+@pytest.mark.gpu
+def test_the_demo_model_gives_the_same_greedy_tokens_on_cpu_and_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    assert greedy("cuda") == greedy("cpu")
