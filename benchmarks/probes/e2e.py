@@ -188,7 +188,8 @@ def main() -> None:
     p.add_argument("--host-gb", type=float, default=0.0)
     p.add_argument("--warm", action="store_true", help="run each prompt once before timing it")
     p.add_argument("--decode-modes", default="graph,eager,handshake")
-    p.add_argument("--profile", action="store_true", help="break graphed and eager decode steps, and a graphed run's prefill of 4096, down by kernel")
+    p.add_argument("--profile", action="store_true",
+                   help="break graphed and eager decode steps, and a graphed run's prefill of 4096, down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
     p.add_argument("--ring-groups", default=str(ExpertConfig.ring_group),
                    help="prefill: experts per ring batch, one run each (e.g. 8,16)")
