@@ -10,7 +10,8 @@ is sparse (holes: zero experts, read over PCIe and computed like any others; dis
 fiction, so no row reads Q4 from disk), its Q2 file holds real random codes on disk (38.6 GB) and serves the
 disk-only row and the Q2 misses. The n-gram table has 16 heads of `--ngram-rows` rows (1M: 1.6 GB; the model's
 20M would not fit beside the Q2 file; a token reads 16 rows whatever the size), in pinned host memory.
-Routing is the random routers' near-uniform one (the worst case for a cache).
+Routing is the random routers' near-uniform one (the worst case for a cache), or with `--routing TRACE` (both
+stages) a store of its own whose routers follow a recorded trace's popularity per layer (not its reuse).
 """
 
 from __future__ import annotations
@@ -52,15 +53,21 @@ PEERS = [  # published, batch 1, this model (docs: issue 26)
 ]
 
 
+def store_path(args) -> str:
+    """The uniform store, or with --routing TRACE its own store whose routers follow the trace."""
+    name = os.path.basename(args.routing).split(".")[0] if args.routing else None
+    return os.path.join(args.work, f"{STORE}-{name}" if name else STORE)
+
+
 def stage_store(args) -> None:
     from benchmarks.synthetic import build
 
-    path = os.path.join(args.work, STORE)
+    path = store_path(args)
     if os.path.isfile(os.path.join(path, "manifest.json")):
         print(f"{path} exists")
         return
     m = build(path, "qwen3.8-flash-next", layers=48, ngram_vocab_size_base=args.ngram_rows,
-              precisions=tuple(args.precisions.split(",")), sparse=("q4",), mtp=True)
+              precisions=tuple(args.precisions.split(",")), sparse=("q4",), mtp=True, routing=args.routing)
     print(f"wrote {path}: {m.geometry.num_layers} record layers, files "
           + ", ".join(f"{n} {f.size / 1e9:.1f} GB" for n, f in m.files.items()))
 
@@ -68,8 +75,9 @@ def stage_store(args) -> None:
 def stage_run(args, state: dict) -> None:
     from moestream.engine.llm import LLM
 
-    path = os.path.join(args.work, STORE)
+    path = store_path(args)
     store = open_store(path)
+    routing = store.manifest.source.get("routing", "uniform")
     q2 = store.manifest.layouts.get("q2")  # real data on disk: its random reads are the disk rows' bound
     if "limits" not in state:
         state["limits"] = limits(records=(store.experts_path("q2"), q2.stride) if q2 else None)
@@ -86,8 +94,8 @@ def stage_run(args, state: dict) -> None:
             print(f"{name}: {e}")
             continue
         try:
-            base = {"model": STORE, "engine": "moestream", "row": name, "meaning": meaning, "pool": 0.0,
-                    "host_tier": host, "memory": llm.stats()["memory"]}
+            base = {"model": STORE, "engine": "moestream", "row": name, "meaning": meaning, "routing": routing,
+                    "pool": 0.0, "host_tier": host, "memory": llm.stats()["memory"]}
             runs = _measure(llm, base, per_token, dense, SCENARIOS)
             stats = llm.stats()
             used = [per for per in stats["layers"] if any(c["lookups"] for c in per.values())]  # not the MTP layer
@@ -97,8 +105,9 @@ def stage_run(args, state: dict) -> None:
                 r["hit_rate_mean"] = sum(rates) / len(rates)
                 r["hit_rate_min"] = min(rates)
                 r["ngram"] = stats["ngram"]
-            state["runs"] = [r for r in state.get("runs", []) if r.get("row") != name] + runs
-            state.setdefault("hit_rates", {})[name] = rates
+            state["runs"] = [r for r in state.get("runs", []) if (r.get("row"), r.get("routing", "uniform"))
+                             != (name, routing)] + runs
+            state.setdefault("hit_rates", {})[name if routing == "uniform" else f"{name} ({routing})"] = rates
             _save(args.out, state)
         finally:
             llm.close()
@@ -107,11 +116,12 @@ def stage_run(args, state: dict) -> None:
 
 
 def report(state: dict) -> list[str]:
-    lines = ["| row | scenario | tok/s | bound | of bound | hit rate (mean, min) | MB a token: gpu / host / disk |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| row | routing | scenario | tok/s | bound | of bound | hit rate (mean, min) "
+             "| MB a token: gpu / host / disk |", "|---|---|---|---|---|---|---|---|"]
     for r in state.get("runs", []):
         per = {t: r["bytes"][t] / r["work"] / 1e6 for t in ("gpu", "host", "disk")}
-        lines.append(f"| {r['meaning']} | {r['scenario']} {r['tokens']} | {r['rate']:,.1f} | {r['bound']:,.1f} | "
+        lines.append(f"| {r['meaning']} | {r.get('routing', 'uniform')} "
+                     f"| {r['scenario']} {r['tokens']} | {r['rate']:,.1f} | {r['bound']:,.1f} | "
                      f"{r['rate'] / r['bound']:.0%} | {r['hit_rate_mean']:.0%}, {r['hit_rate_min']:.0%} | "
                      + " / ".join(f"{v:,.0f}" for v in per.values()) + " |")
     lines += ["", "| peer (published) | decode tok/s | prefill tok/s |", "|---|---|---|"]
@@ -136,16 +146,20 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--ngram-rows", type=int, default=1_000_000, help="rows per n-gram head")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--routing", help="a routing trace (e.g. results/demo-model/trace-3.jsonl.gz): its own store, "
+                                     "routers following the trace's popularity per layer")
     p.add_argument("--precisions", default="q4,q2",
                    help="store: the record files (the Q2 file takes ~4 minutes to write there; rows that need it "
                         "are refused without it)")
     args = p.parse_args()
     args.out = args.out or out_dir("flagship")
-    state = json.load(open(args.state)) if args.state else {"machine": machine(), "runs": []}
     if args.stage == "store":
         os.makedirs(args.work, exist_ok=True)
         stage_store(args)
-    elif args.stage == "run":
+        return
+    saved = args.state or os.path.join(args.out, "flagship.json")  # rows add to what the folder holds
+    state = json.load(open(saved)) if os.path.isfile(saved) else {"machine": machine(), "runs": []}
+    if args.stage == "run":
         stage_run(args, state)
     _save(args.out, state)
     print("\n".join(report(state)))

@@ -1,18 +1,22 @@
 """Real-geometry stores from random weights, written through the store format and the packer's writers
 (there are no real weights on the GPU machine). Records are random Q4 codes with sane scales; dense
 tensors are random bf16 named as the model expects. `skew` makes expert popularity uneven by scaling
-router rows (a larger row wins top-k more often), since random routers spread tokens evenly.
+router rows (a larger row wins top-k more often), since random routers spread tokens evenly; `routing`
+instead takes a recorded routing trace (`moestream generate --trace-routing`) and scales them so that each
+layer's popularity curve follows the trace's layer at the same depth (`follow_trace`; a trained model's
+token-to-token reuse is not reproduced).
 
 "qwen3.8-flash-next" is the flagship's whole geometry: 48 layers (36 Gated DeltaNet, 12 QSA), one PLE block
 whose q4 n-gram table has 16 heads of `--ngram-rows` rows (the model's own: 20M, 32 GB; a token's cost does
 not depend on it). Values the public configs do not give are marked "inferred" below.
 
-python -m benchmarks.synthetic OUT --geometry qwen3-30b [--layers N] [--skew 1.0] [--ngram-rows N]
+python -m benchmarks.synthetic OUT --geometry qwen3-30b [--layers N] [--skew 1.0 | --routing TRACE] [--ngram-rows N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -29,9 +33,12 @@ from moestream.experts.format import (
     experts_file,
     ngram_file,
 )
+from moestream.layers.moe import SparseMoE
 from moestream.models import model_class
 from moestream.packer.checks import file_check
 from moestream.packer.safetensors_io import SafetensorsWriter
+from moestream.stats.trace import Trace
+from moestream.stats.trace import load as load_trace
 
 GEOMETRIES = {
     "qwen3-30b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
@@ -63,7 +70,7 @@ EMBED_SCALE, BLOCK_OUT_SCALE = 8.0, 0.05
 
 def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0, seed: int = 0,
           precisions: tuple[str, ...] = ("q4",), sparse: tuple[str, ...] = (), mtp: bool = False,
-          **overrides) -> Manifest:
+          routing: str | None = None, **overrides) -> Manifest:
     """`sparse`: precisions whose records are holes in a sparse file (zero codes, scales and biases: zero experts,
     read and computed like any others, for stores larger than the disk)."""
     hf = dict(GEOMETRIES[geometry]) | overrides
@@ -113,7 +120,87 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
     manifest = Manifest(cfg.model_type, hf, source, "bfloat16", g, layouts, ngram, (), files)
     with open(os.path.join(out, MANIFEST), "w") as f:
         json.dump(manifest.to_json(), f, indent=1)
-    return manifest
+    return follow_trace(out, routing, seed) if routing else manifest
+
+
+def follow_trace(out: str, routing: str, seed: int = 0, tokens: int = 384, passes: int = 2) -> Manifest:
+    """Scale the routers of the store at `out` so that each layer's expert popularity follows the trace's layer at
+    the same depth, calibrated on the router inputs of the store's own model's decode steps, every layer at once,
+    `passes` times (a layer's new routing moves the inputs of the layers after it; calibrated on isotropic inputs
+    instead, deeper layers collapsed onto a few experts). The new rows are written over the old ones."""
+    from moestream.engine.llm import LLM
+    from moestream.sampling import SamplingParams
+
+    curves = popularity(load_trace(routing))
+    llm = LLM(out, warm=False, decode_mode="eager")  # eager: the hooks see every step
+    gen = torch.Generator(device=llm.device).manual_seed(seed)
+    prompt = torch.randint(0, llm.config.vocab_size, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
+    blocks = [(name, m) for name, m in llm.model.named_modules() if isinstance(m, SparseMoE)]
+    original = {name: block.gate.weight.float().clone() for name, block in blocks}
+    for _ in range(passes):
+        inputs = {name: [] for name, _ in blocks}
+        hooks = [block.register_forward_pre_hook(lambda module, args, seen=inputs[name]: seen.append(args[0]))
+                 for name, block in blocks]
+        llm.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, seed=seed))
+        for hook in hooks:
+            hook.remove()
+        for i, (name, block) in enumerate(blocks):
+            x = torch.cat(inputs[name][1:]).float()  # the decode steps' rows, not the prompt's
+            weight = original[name]
+            shares = resample(curves[i * len(curves) // len(blocks)], weight.shape[0])
+            block.gate.weight.copy_(weight * router_scales(x, weight, shares, block.top_k, gen)[:, None])
+    rows = {f"{name}.gate.weight": block.gate.weight.to(torch.bfloat16) for name, block in blocks}
+    llm.close()
+    dense = os.path.join(out, DENSE_FILE)
+    with open(dense, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        for name, t in rows.items():
+            f.seek(8 + size + header[name]["data_offsets"][0])
+            f.write(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    with open(os.path.join(out, MANIFEST)) as f:
+        m = Manifest.from_json(json.load(f))
+    m = dataclasses.replace(m, files={**m.files, DENSE_FILE: file_check(dense)},
+                            source={**m.source, "routing": os.path.basename(routing)})
+    with open(os.path.join(out, MANIFEST), "w") as f:
+        json.dump(m.to_json(), f, indent=1)
+    return m
+
+
+def popularity(trace: Trace) -> list[torch.Tensor]:
+    """Each traced MoE layer's expert shares, most used first (layers the trace never used are left out)."""
+    counts = torch.zeros(trace.layers, trace.experts)
+    for step in trace.steps:
+        for row in step.rows:
+            counts[step.layer, row] += 1
+    return [(c / c.sum()).sort(descending=True).values for c in counts if c.sum() > 0]
+
+
+def resample(curve: torch.Tensor, experts: int) -> torch.Tensor:
+    """A most-used-first share curve over n experts as one over `experts`: its cumulative share, linear in
+    between, read at the same fractions of the experts."""
+    n = curve.numel()
+    cumulative = torch.cat([torch.zeros(1), curve.cumsum(0)])
+    at = torch.linspace(0, n, experts + 1)
+    lo = at.floor().long().clamp(max=n - 1)
+    return (cumulative[lo] + (at - lo) * (cumulative[lo + 1] - cumulative[lo])).diff()
+
+
+def router_scales(x: torch.Tensor, weight: torch.Tensor, shares: torch.Tensor, top_k: int, gen: torch.Generator,
+                  rounds: int = 60) -> torch.Tensor:
+    """Row scales for a router [E, H] such that top-k over the inputs `x` [N, H] picks the experts with `shares`
+    (most used first), given to the experts in a random order: a larger row wins more often. Bounded: an expert
+    that never wins would otherwise grow its row until the router's softmax saturates and ties decide."""
+    experts, samples = weight.shape[0], x.shape[0]
+    logits = (x @ weight.T).to(gen.device)
+    target = torch.empty(experts, device=gen.device)
+    target[torch.randperm(experts, generator=gen, device=gen.device)] = shares.to(gen.device) * top_k
+    scales = torch.ones(experts, device=gen.device)
+    for _ in range(rounds):
+        picks = (logits * scales).topk(top_k, dim=1).indices
+        freq = torch.bincount(picks.flatten(), minlength=experts) / samples
+        scales = (scales * ((target + 1 / samples) / (freq + 1 / samples)) ** 0.5).clamp(0.1, 12.0)
+    return scales.to(weight.device)
 
 
 def write_records(path: str, g: ExpertGeometry, layout: RecordLayout, bits: int, gen: torch.Generator,
@@ -169,6 +256,7 @@ def main() -> None:
     p.add_argument("--geometry", default="qwen3-30b", choices=sorted(GEOMETRIES))
     p.add_argument("--layers", type=int)
     p.add_argument("--skew", type=float, default=0.0)
+    p.add_argument("--routing", help="a routing trace whose per-layer expert popularity the routers follow")
     p.add_argument("--ngram-rows", type=int, help="rows per n-gram head (flash-next; default the model's 20M)")
     p.add_argument("--precisions", default="q4", help="record files to write, e.g. q4,q2")
     p.add_argument("--sparse", default="", help="precisions written as holes (zero experts), e.g. q4")
@@ -176,7 +264,7 @@ def main() -> None:
     args = p.parse_args()
     extra = {"ngram_vocab_size_base": args.ngram_rows} if args.ngram_rows else {}
     m = build(args.out, args.geometry, args.layers, args.skew, precisions=tuple(args.precisions.split(",")),
-              sparse=tuple(filter(None, args.sparse.split(","))), mtp=args.mtp, **extra)
+              sparse=tuple(filter(None, args.sparse.split(","))), mtp=args.mtp, routing=args.routing, **extra)
     size = sum(f.size for f in m.files.values()) / 1e9
     print(f"wrote {args.geometry} ({m.geometry.num_layers} expert layers, {m.geometry.num_records} records): "
           f"{size:.1f} GB in {args.out}")

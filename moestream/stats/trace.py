@@ -11,6 +11,7 @@ token is never fed back, so a request writes (prompt + generated - 1) x layers l
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from typing import IO
@@ -81,7 +82,8 @@ def parse(lines) -> Trace:
 
 
 def load(path: str) -> Trace:
-    with open(path) as f:
+    """A trace file, gzipped or not."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         try:
             return parse(f)
         except (ValueError, KeyError, TypeError) as e:
