@@ -44,7 +44,8 @@ class _PinnedMapping(mmap.mmap):
 
     def __del__(self) -> None:  # before the base class unmaps the pages
         if self.ptr is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone before us
+                torch.cuda.cudart().cudaHostUnregister(self.ptr)
 
 
 class NullEvent:
