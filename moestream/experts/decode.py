@@ -1,5 +1,5 @@
 """The decode fetch path (a step of few rows, records not addressable in place): hits compute at once; misses
-get pool slots (LRU, never evicting a slot this step uses) and fetches (at the miss precision in mixed mode),
+get pool slots (the pool's eviction, never a slot this step uses) and fetches (at the miss precision in mixed mode),
 and compute after their copies; then layer L+1's router applied to the current hidden state predicts L+1's
 experts, and their fetches start after L's misses (one-layer lookahead)."""
 
