@@ -61,6 +61,10 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
       while kill -0 "$(cat "$WORK/train.pid")" 2>/dev/null; do sleep 2; done
       cp "$WORK/train.log" "$OUT/"; tail -4 "$WORK/train.log"
       tar czf - -C "$WORK/train" model log.jsonl | split -b 15M - "$OUT/model.tgz." ;;
+    step-ops)  # a 4-layer Flash-Next slice's decode step, kernels by source line (docs/performance.md's open lead)
+      [ -f "$WORK/fn4/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn4" --geometry qwen3.8-flash-next \
+        --layers 4 --sparse q4 --ngram-rows 1000000 > "$OUT/fn4.log" 2>&1
+      timeout 300 python -m benchmarks.probes.step_ops "$WORK/fn4" 2>&1 | tee "$OUT/step-ops.log" | head -70 ;;
     e2e) e2e 300 e2e --decode --prefill ;;
     decode) e2e 200 decode --decode --profile ;;
     overlap) e2e 240 overlap --prefill --fracs 0.25 --lengths 4096 --host-gb 24 --warm --trace ;;
