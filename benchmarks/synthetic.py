@@ -36,7 +36,7 @@ from moestream.experts.format import (
 from moestream.layers.moe import SparseMoE
 from moestream.models import model_class
 from moestream.packer.checks import file_check
-from moestream.packer.safetensors_io import SafetensorsWriter
+from moestream.packer.safetensors_io import SafetensorsWriter, read_header
 from moestream.stats.trace import Trace
 from moestream.stats.trace import load as load_trace
 
@@ -152,11 +152,10 @@ def follow_trace(out: str, routing: str, seed: int = 0, tokens: int = 384, passe
     rows = {f"{name}.gate.weight": block.gate.weight.to(torch.bfloat16) for name, block in blocks}
     llm.close()
     dense = os.path.join(out, DENSE_FILE)
+    places = read_header(dense)
     with open(dense, "r+b") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
         for name, t in rows.items():
-            f.seek(8 + size + header[name]["data_offsets"][0])
+            f.seek(places[name].start)
             f.write(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     with open(os.path.join(out, MANIFEST)) as f:
         m = Manifest.from_json(json.load(f))

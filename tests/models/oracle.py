@@ -28,9 +28,9 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4
 
 
 def dequantize_experts(src: str, store: str, out: str) -> str:
-    """Copy checkpoint `src` to `out` with each expert weight replaced by its Q4 record, dequantized (fp32)."""
+    """Copy checkpoint `src` (or a store's dense file) to `out` with every expert weight set from its Q4 record in
+    `store`, dequantized (fp32), named per expert as transformers loads them (`mtp.layers.*` for record layer -1)."""
     import os
-    import re
     import shutil
 
     from safetensors.torch import save_file
@@ -40,13 +40,13 @@ def dequantize_experts(src: str, store: str, out: str) -> str:
 
     tensors = source_tensors(src)
     geometry = load_manifest(store).geometry
-    pat = re.compile(r"^(model|mtp)\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-    for name in list(tensors):
-        if m := pat.match(name):
-            layer = int(m[2]) if m[1] == "model" else -1 - int(m[2])
-            rec = read_record(store, "q4", geometry.rid(geometry.layer_ids.index(layer), int(m[3])))
-            p = m[4]
-            tensors[name] = dequantize(rec[f"{p}_w"], rec[f"{p}_s"], rec[f"{p}_b"]).to(torch.float32)
-    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    for index, layer in enumerate(geometry.layer_ids):
+        prefix = f"model.layers.{layer}" if layer >= 0 else f"mtp.layers.{-1 - layer}"
+        for e in range(geometry.num_experts):
+            rec = read_record(store, "q4", geometry.rid(index, e))
+            for p in ("gate", "up", "down"):
+                w = dequantize(rec[f"{p}_w"], rec[f"{p}_s"], rec[f"{p}_b"]).to(torch.float32)
+                tensors[f"{prefix}.mlp.experts.{e}.{p}_proj.weight"] = w
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", "*.bin"))
     save_file(tensors, os.path.join(out, "model.safetensors"))
     return out

@@ -3,38 +3,18 @@ into a Hugging Face checkpoint that transformers loads unchanged, and the same g
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from moestream.cli.demo import DEMO_STORE
 from moestream.engine.llm import LLM
-from moestream.quant.affine import dequantize
 from moestream.sampling import SamplingParams
-from tests.models.oracle import assert_logits_close, hf_logits
-from tests.packer.helpers import load_manifest, read_record
+from tests.models.oracle import assert_logits_close, dequantize_experts, hf_logits
+from tests.packer.helpers import load_manifest
 
 PROMPT = "The module defines a new type, function, or method, which can be used to"
-
-
-def dequantized_checkpoint(out: str) -> str:
-    """The demo store as a transformers checkpoint: dense tensors as stored, each expert its Q4 record in fp32."""
-    tensors = {k: v.float() for k, v in load_file(os.path.join(DEMO_STORE, "dense.safetensors")).items()}
-    g = load_manifest(DEMO_STORE).geometry
-    for index, layer in enumerate(g.layer_ids):
-        prefix = f"model.layers.{layer}" if layer >= 0 else f"mtp.layers.{-1 - layer}"
-        for e in range(g.num_experts):
-            rec = read_record(DEMO_STORE, "q4", g.rid(index, e))
-            for p in ("gate", "up", "down"):
-                w = dequantize(rec[f"{p}_w"], rec[f"{p}_s"], rec[f"{p}_b"]).float()
-                tensors[f"{prefix}.mlp.experts.{e}.{p}_proj.weight"] = w
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "model.safetensors"))
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(os.path.join(DEMO_STORE, name), os.path.join(out, name))
-    return out
 
 
 def test_the_demo_model_ships_its_mtp_head():
@@ -47,7 +27,7 @@ def test_the_demo_model_ships_its_mtp_head():
 def test_the_demo_models_logits_equal_transformers(tmp_path):
     llm = LLM(DEMO_STORE, device="cpu", dtype="float32")
     ids = torch.tensor(llm.tokenizer.encode(PROMPT * 4))
-    ref = hf_logits(dequantized_checkpoint(str(tmp_path / "hf")), ids)
+    ref = hf_logits(dequantize_experts(DEMO_STORE, DEMO_STORE, str(tmp_path / "hf")), ids)
     assert_logits_close(llm.logits(ids), ref)
     llm.close()
 
