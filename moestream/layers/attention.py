@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moestream.config import ModelConfig
 from moestream.kernels import ops
 from moestream.layers.context import StepContext
+from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import apply_rotary
 
@@ -95,10 +96,11 @@ class Attention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.output_gate = output_gate
-        self.q_proj = nn.Linear(h, self.heads * d * (2 if output_gate else 1), bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.heads * d, h, bias=cfg.o_bias)
+        self.q_proj = Linear(h, self.heads * d * (2 if output_gate else 1), bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, self.kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, self.kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.heads * d, h, bias=cfg.o_bias)
+        self.qkv = Projections(self.q_proj, self.k_proj, self.v_proj)  # [q (with its gate halves) | k | v]
         if qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
@@ -108,20 +110,7 @@ class Attention(nn.Module):
         return KVCache(self.kv_heads, self.head_dim, dtype, device)
 
     def fuse_projections(self) -> None:
-        """One [q | k | v] weight (and bias) whose slices become the three projections' weights: a decode
-        token's projections are one launch."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        for name in ("weight", "bias") if self.q_proj.bias is not None else ("weight",):
-            fused = torch.cat([getattr(p, name) for p in projections])
-            setattr(self, f"qkv_{name}", fused)
-            for p, part in zip(projections, fused.split([p.out_features for p in projections])):
-                setattr(p, name, nn.Parameter(part, requires_grad=False))
-
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, q width + 2 * kv width]: q (with its gate halves), k, v side by side."""
-        if hasattr(self, "qkv_weight"):
-            return ops.linear(x, self.qkv_weight, getattr(self, "qkv_bias", None))
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        self.qkv.fuse()
 
     def gate_of(self, qkv: torch.Tensor) -> torch.Tensor | None:
         """The output gate [T, Hq*D] (the second half of each q head's slice), or None."""
@@ -133,7 +122,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], gate [T, Hq*D] or None."""
         t, qkv = x.shape[0], self.qkv(x)
-        q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        q, k, v = qkv.split(self.qkv.sizes, -1)
         q = q.reshape(t, self.heads, -1)[..., : self.head_dim]
         gate = self.gate_of(qkv)
         k = k.reshape(t, self.kv_heads, self.head_dim)
@@ -147,7 +136,7 @@ class Attention(nn.Module):
         out = out.reshape(out.shape[0], -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                 ctx: StepContext) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 
 from moestream.config import ModelConfig
 from moestream.kernels import ops
+from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import GatedRMSNorm
 
 
@@ -48,34 +49,39 @@ class GatedDeltaNet(nn.Module):
         self.fused = fused_qkvz
         h = cfg.hidden_size
         if fused_qkvz:
-            self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(h, 2 * self.nv, bias=False)
+            self.in_proj_qkvz = Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = Linear(h, 2 * self.nv, bias=False)
+            self.in_proj = Projections(self.in_proj_qkvz, self.in_proj_ba)
         else:
-            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(h, self.nv, bias=False)
-            self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+            self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = Linear(h, self.nv, bias=False)
+            self.in_proj_a = Linear(h, self.nv, bias=False)
+            self.in_proj = Projections(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel))
         self.A_log = nn.Parameter(torch.empty(self.nv))
         self.dt_bias = nn.Parameter(torch.empty(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, gate_activation)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def new_state(self, dtype: torch.dtype, device: torch.device) -> DeltaNetState:
         return DeltaNetState(torch.zeros(self.kernel - 1, self.conv_dim, dtype=dtype, device=device),
                              torch.zeros(self.nv, self.dk, self.dv, dtype=torch.float32, device=device))
 
+    def fuse_projections(self) -> None:
+        self.in_proj.fuse()
+
     def _project(self, x: torch.Tensor):
         """x [T, H] -> mixed qkv [T, conv_dim], z [T, Hv, Dv], b, a [T, Hv]."""
         t = x.shape[0]
         if not self.fused:
-            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, self.nv, self.dv),
-                    self.in_proj_b(x), self.in_proj_a(x))
+            mixed, z, b, a = self.in_proj.parts(x)
+            return mixed, z.reshape(t, self.nv, self.dv), b, a
         per = self.nv // self.nk  # value heads per key head
-        qkvz = self.in_proj_qkvz(x).view(t, self.nk, 2 * self.dk + 2 * per * self.dv)
-        q, k, v, z = qkvz.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, self.nk, 2 * per).split([per, per], dim=-1)
+        qkvz, ba = self.in_proj.parts(x)
+        q, k, v, z = qkvz.reshape(t, self.nk, -1).split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
+        b, a = ba.reshape(t, self.nk, 2 * per).split([per, per], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelConfig
+from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import RMSNorm
 
 
@@ -22,21 +23,27 @@ class HyperConnection(nn.Module):
         self.streams, self.hidden = cfg.hc_count, cfg.hidden_size
         width = self.streams * self.hidden
         self.hc_norm = RMSNorm(width, cfg.rms_norm_eps, zero_centered=True, group_size=self.hidden)
-        self.input_mix_weight_down = nn.Linear(width, cfg.hc_lowrank, bias=False)
-        self.input_mix_weight_up = nn.Linear(cfg.hc_lowrank, width, bias=False)
+        self.input_mix_weight_down = Linear(width, cfg.hc_lowrank, bias=False)
+        self.input_mix_weight_up = Linear(cfg.hc_lowrank, width, bias=False)
         if inject:
-            self.block_inject_weight = nn.Linear(width, self.streams, bias=False)
+            self.block_inject_weight = Linear(width, self.streams, bias=False)
         self.has_inject = inject
+        # what the normed streams feed: the low-rank mix and, around a block, the injection weights
+        self.from_normed = Projections(self.input_mix_weight_down, *([self.block_inject_weight] if inject else []))
+
+    def fuse_projections(self) -> None:
+        self.from_normed.fuse()
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, hc * H] -> (block input [T, H], injection weights [T, hc] or None)."""
         normed = self.hc_norm(streams)
-        low = F.silu(self.input_mix_weight_down(normed) / self.streams)
+        low, *inject = self.from_normed.parts(normed)
+        low = F.silu(low / self.streams)
         gates = torch.sigmoid(self.input_mix_weight_up(low)).unflatten(-1, (self.streams, self.hidden))
         mixed = (gates * normed.unflatten(-1, (self.streams, self.hidden))).mean(dim=-2)
         if not self.has_inject:
             return mixed, None
-        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.streams)
+        return mixed, 2 * torch.sigmoid(inject[0] / self.streams)
 
     @staticmethod
     def inject(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moestream.layers.linear import Linear
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:  # ctx: a step context, as SparseMoE takes
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down(self.gate_proj(x), self.up_proj(x))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The output from the gate and up products (a caller that made them in a fused projection)."""
+        return self.down_proj(F.silu(gate) * up)

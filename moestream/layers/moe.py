@@ -9,6 +9,7 @@ from torch import nn
 from moestream.config import ModelConfig
 from moestream.kernels import ops
 from moestream.layers.context import StepContext
+from moestream.layers.linear import Linear, Projections
 from moestream.layers.mlp import MLP
 
 
@@ -16,23 +17,31 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_slot: int, shared_expert: bool):
         super().__init__()
         self.layer_slot, self.top_k, self.normalise = layer_slot, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         if shared_expert:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.has_shared = shared_expert
+        # every product of the block's input in one: the router's logits and the shared expert's gate and up rows
+        self.from_input = Projections(self.gate, *((self.shared_expert.gate_proj, self.shared_expert.up_proj,
+                                                     self.shared_expert_gate) if shared_expert else ()))
         self.provider = None  # set by the engine: the one seam to the expert subsystem
+
+    def fuse_projections(self) -> None:
+        self.from_input.fuse()
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [T, H] -> [T, H]. The routers' ids land in `ctx.experts.routed` when the step counts them later."""
         t, h = x.shape
         routed = ctx.experts.routed
-        weights, ids = ops.route(ops.linear(x, self.gate.weight), self.top_k, self.normalise, x.dtype,
+        logits, *shared = self.from_input.parts(x)
+        weights, ids = ops.route(logits, self.top_k, self.normalise, x.dtype,
                                  routed[self.layer_slot] if routed is not None else None)
         y = x.new_empty(t * self.top_k, h)
         for part in self.provider.parts(self.layer_slot, ids, x, ctx.experts):
             ops.expert_part(x, part, self.top_k, y)
         out = ops.combine_topk(y.view(t, self.top_k, h), weights)
         if self.has_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate, up, shared_gate = shared
+            out = out + torch.sigmoid(shared_gate) * self.shared_expert.down(gate, up)
         return out

@@ -24,6 +24,7 @@ from torch import nn
 
 from moestream.config import ModelConfig
 from moestream.kernels import ops
+from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import RMSNorm
 
 
@@ -128,8 +129,9 @@ class PLE(nn.Module):
         self.streams, self.hidden = cfg.hc_count, cfg.hidden_size
         width = self.streams * self.hidden
         self.ple_embedding = NgramEmbedding(cfg, layer)
-        self.key_proj = nn.Linear(cfg.ple_embed_dim, width, bias=False)
-        self.value_proj = nn.Linear(cfg.ple_embed_dim, self.hidden, bias=False)
+        self.key_proj = Linear(cfg.ple_embed_dim, width, bias=False)
+        self.value_proj = Linear(cfg.ple_embed_dim, self.hidden, bias=False)
+        self.from_rows = Projections(self.key_proj, self.value_proj)
         self.norm_key = RMSNorm(width, cfg.rms_norm_eps, zero_centered=True, group_size=self.hidden)
         self.norm_query = RMSNorm(width, cfg.rms_norm_eps, zero_centered=True, group_size=self.hidden)
         self.norm_conv = RMSNorm(width, cfg.rms_norm_eps, zero_centered=True, group_size=self.hidden)
@@ -137,6 +139,9 @@ class PLE(nn.Module):
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(width, 1, cfg.ple_conv_kernel_size))
         self.history = (cfg.ple_conv_kernel_size - 1) * self.dilation
+
+    def fuse_projections(self) -> None:
+        self.from_rows.fuse()
 
     def new_state(self, dtype: torch.dtype, device: torch.device) -> PLEState:
         context = torch.full((self.ple_embedding.ngram_size - 1,), self.ple_embedding.eos, dtype=torch.long,
@@ -148,11 +153,12 @@ class PLE(nn.Module):
         """streams [T, hc * H], ids [T] -> the PLE update [T, hc * H]; advances `state`."""
         embedded = self.ple_embedding(ids, state.context, streams.dtype, static)  # [T, ple_embed_dim]
         state.context.copy_(torch.cat([state.context, ids])[ids.shape[0]:])
-        keys = self.norm_key(self.key_proj(embedded)).unflatten(-1, (self.streams, self.hidden))
+        keys, values = self.from_rows.parts(embedded)
+        keys = self.norm_key(keys).unflatten(-1, (self.streams, self.hidden))
         queries = self.norm_query(streams).unflatten(-1, (self.streams, self.hidden))
         gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated = (torch.sigmoid(gate) * self.value_proj(embedded).unsqueeze(-2)).flatten(-2)  # [T, hc * H]
+        gated = (torch.sigmoid(gate) * values.unsqueeze(-2)).flatten(-2)  # [T, hc * H]
         return gated + self._conv(self.norm_conv(gated), state)
 
     def _conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:

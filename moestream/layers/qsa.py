@@ -28,6 +28,7 @@ from moestream.config import ModelConfig
 from moestream.kernels import ops
 from moestream.layers.attention import PREFILL_BACKENDS, Attention, KVCache, causal_attention
 from moestream.layers.context import StepContext
+from moestream.layers.linear import Linear
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import Rotary, apply_rotary
 
@@ -76,7 +77,7 @@ class Indexer(nn.Module):
         self.heads, self.dim = cfg.indexer_n_heads, cfg.indexer_head_dim
         self.ratio, self.budget = cfg.indexer_compress_ratio, cfg.indexer_budget
         self.block_topk = self.budget // self.ratio
-        self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.heads + 1) * self.dim, bias=False)
+        self.index_qk_proj = Linear(cfg.hidden_size, (self.heads + 1) * self.dim, bias=False)
         self.q_layernorm = RMSNorm(self.dim, cfg.rms_norm_eps, zero_centered=True)
         self.k_layernorm = RMSNorm(self.dim, cfg.rms_norm_eps, zero_centered=True)
         self.rotary = Rotary(cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta)  # block keys' positions
