@@ -9,8 +9,10 @@ BK = 512  # K chunk: four 16-byte loads a thread at 4 warps and BN 8
 MIN_PROGRAMS = 1024  # enough blocks that every SM keeps several in flight
 
 
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [1, K] -> [1, N] = x @ weight.T (+ bias); weight [N, K] contiguous."""
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               up: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] -> [1, N] = x @ weight.T (+ bias); weight [N, K] contiguous. With `up` [1, K], the input is
+    silu(x) * up instead (the down projection of a SwiGLU MLP, its gate and up products never stored)."""
     from moestream.kernels.triton.dense_gemv import dense_gemv_kernel
 
     n, k = weight.shape
@@ -18,7 +20,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     while bn > 1 and n // bn < MIN_PROGRAMS:  # small N: fewer rows a block, so that the blocks fill the GPU
         bn //= 2
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    dense_gemv_kernel[(-(-n // bn),)](x.contiguous(), weight, weight if bias is None else bias, y, n, K=k, BN=bn,
+    x = x.contiguous()
+    dense_gemv_kernel[(-(-n // bn),)](x, x if up is None else up.contiguous(), weight,
+                                     weight if bias is None else bias, y, n, K=k, BN=bn,
                                      BK=min(BK, 1 << (k - 1).bit_length()), HAS_BIAS=bias is not None,
-                                     num_warps=4)
+                                     GLU=up is not None, num_warps=4)
     return y

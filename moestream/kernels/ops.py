@@ -15,7 +15,6 @@ from moestream.kernels import reference
 
 DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config
 
-combine_topk = reference.combine_topk
 causal_conv1d = reference.causal_conv1d
 gated_delta_rule = reference.gated_delta_rule
 
@@ -81,14 +80,64 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return reference.linear(x, weight, bias)
 
 
+def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up @ weight.T (reference.glu_linear); one token's on the GPU as one GEMV launch."""
+    if gate.shape[0] == 1 and use_triton(gate.device):
+        from moestream.kernels import dense_gemv
+
+        return dense_gemv.dense_gemv(gate, weight, None, up)
+    return reference.glu_linear(gate, up, weight)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
+                shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k outputs y [T, K, H] weighted in k order, plus the gated shared expert (reference.moe_combine)."""
+    if use_triton(y.device):
+        from moestream.kernels import combine
+
+        return combine.moe_combine(y, weights, shared, shared_gate)
+    return reference.moe_combine(y, weights, shared, shared_gate)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """One query token over cache rows 0..position (reference.decode_attention); no host sync on Triton."""
+                     scale: float, rows: torch.Tensor | None = None, gate: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """One query token over cache rows 0..position or the listed `rows`, optionally gated
+    (reference.decode_attention); no host sync on Triton."""
     if use_triton(q.device):
         from moestream.kernels import decode_attention as kernel
 
-        return kernel.decode_attention(q, k_cache, v_cache, position, scale)
-    return reference.decode_attention(q, k_cache, v_cache, position, scale)
+        return kernel.decode_attention(q, k_cache, v_cache, position, scale, rows, gate)
+    return reference.decode_attention(q, k_cache, v_cache, position, scale, rows, gate)
+
+
+def qsa_block_key(index_keys: torch.Tensor, block_keys: torch.Tensor, raw_key: torch.Tensor, position: torch.Tensor,
+                  ratio: int, norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> None:
+    """A decode token's indexer key, and its block's key when it completes one (reference.qsa_block_key)."""
+    args = (index_keys, block_keys, raw_key, position, ratio, norm_weight, eps, inv_freq)
+    if use_triton(raw_key.device):
+        from moestream.kernels import qsa
+
+        return qsa.block_key(*args)
+    return reference.qsa_block_key(*args)
+
+
+def qsa_scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """One token's index queries q [1, Hi, Di] against block keys [B, Di] -> [B] (reference.qsa_scores)."""
+    if use_triton(q.device):
+        from moestream.kernels import qsa
+
+        return qsa.scores(q, blocks)
+    return reference.qsa_scores(q, blocks)[0]
+
+
+def qsa_rows(scores: torch.Tensor, position: torch.Tensor, ratio: int, block_topk: int) -> torch.Tensor:
+    """The cache rows one query at `position` attends to, -1 for none (reference.qsa_rows); no sort on Triton."""
+    if use_triton(scores.device):
+        from moestream.kernels import qsa
+
+        return qsa.rows(scores, position, ratio, block_topk)
+    return reference.qsa_rows(scores, position, ratio, block_topk)
 
 
 def route(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype,

@@ -122,10 +122,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
-def combine_topk(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                shared_gate: torch.Tensor | None) -> torch.Tensor:
     """y [T, K, H] unweighted expert outputs, weights [T, K] -> [T, H]: one batched product, so the sum
-    over k runs in the same order whatever was resident."""
-    return torch.bmm(weights.unsqueeze(1), y).squeeze(1)
+    over k runs in the same order whatever was resident; plus sigmoid(shared_gate [T, 1]) * shared [T, H]."""
+    out = torch.bmm(weights.unsqueeze(1), y).squeeze(1)
+    return out if shared is None else out + torch.sigmoid(shared_gate) * shared
+
+
+def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU MLP's down projection from its gate and up products [T, I]: silu(gate) * up @ weight.T."""
+    return F.linear(F.silu(gate) * up, weight)
 
 
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,11 +200,60 @@ def _delta_step(q, k, v, g, beta, state):
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """One query token q [1, Hq, D] over cache rows 0..position of k_cache, v_cache [C, Hkv, D]; query head h
-    reads kv head h // (Hq // Hkv). Returns [1, Hq, D]."""
-    n = int(position) + 1
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache[:n].transpose(0, 1)[None],
-                                         v_cache[:n].transpose(0, 1)[None], scale=scale,
-                                         enable_gqa=q.shape[1] != k_cache.shape[1])
-    return out[0].transpose(0, 1)
+                     scale: float, rows: torch.Tensor | None = None, gate: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """One query token q [1, Hq, D] over cache rows 0..position of k_cache, v_cache [C, Hkv, D], or over the
+    cache rows `rows` [S] where they are >= 0 (QSA's selection); query head h reads kv head h // (Hq // Hkv).
+    Returns [1, Hq, D], times sigmoid(gate [1, Hq, D]) where given (the gated attention's output gate)."""
+    if rows is None:
+        n = int(position) + 1
+        k, v, mask = k_cache[:n], v_cache[:n], None
+    else:
+        k, v, mask = k_cache[rows.clamp_min(0)], v_cache[rows.clamp_min(0)], (rows >= 0)[None, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1])
+    out = out[0].transpose(0, 1)
+    return out if gate is None else out * torch.sigmoid(gate.reshape(out.shape))
+
+
+def qsa_rows(scores: torch.Tensor, position: torch.Tensor, ratio: int, block_topk: int) -> torch.Tensor:
+    """QSA's choice for one query at `position` [1] from the scores [B] (>= 0) of every block row the cache can
+    hold: the `block_topk` best complete blocks (an exact tie to the lower index), in block order, then the tail
+    of its incomplete block. Returns the cache rows [block_topk * ratio + ratio - 1] int64, -1 where none."""
+    blocks = scores.shape[0]
+    complete = (position + 1) // ratio
+    index = torch.arange(blocks, device=scores.device)
+    allowed = index < complete
+    # non-negative float32 scores order as their bits, so (bits, -index) is one exact int64 key
+    key = ((scores.view(torch.int32).long() << 31) | ((1 << 31) - 1 - index)).masked_fill(~allowed, -1)
+    k = min(block_topk, blocks)
+    chosen = key.topk(k).indices
+    chosen = torch.where(allowed[chosen], chosen, blocks).sort().values  # invalid ones last
+    offsets = torch.arange(ratio, device=scores.device)
+    block_rows = torch.where(chosen[:, None] < blocks, chosen[:, None] * ratio + offsets, -1).flatten()
+    block_rows = F.pad(block_rows, (0, (block_topk - k) * ratio), value=-1)  # a fixed length, whatever the cache
+    tail = complete * ratio + offsets[: ratio - 1]
+    return torch.cat([block_rows, torch.where(tail <= position, tail, -1)])
+
+
+def qsa_block_key(index_keys: torch.Tensor, block_keys: torch.Tensor, raw_key: torch.Tensor, position: torch.Tensor,
+                  ratio: int, norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> None:
+    """A decode token's indexer key: raw_key [1, Di] stored at index_keys[position]; where it completes a block,
+    the block's key (the mean of its raw keys, zero-centred RMS-normed, rotated at the block's first position by
+    the first 2 * len(inv_freq) dims) written to block_keys[block]. In place, with fixed shapes."""
+    index_keys.index_copy_(0, position, raw_key)
+    start = (position + 1 - ratio).clamp_min(0)
+    pooled = index_keys[start + torch.arange(ratio, device=position.device)].float().mean(0).to(raw_key.dtype)
+    freqs = start.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    normed = rms_norm(pooled[None, None], norm_weight, eps, zero_centered=True)
+    key = rotary(normed, emb.cos().to(raw_key.dtype), emb.sin().to(raw_key.dtype))[:, 0]
+    done = (position + 1) % ratio == 0
+    spare = torch.full_like(position, block_keys.shape[0] - 1)  # a row nothing reads while the block is incomplete
+    block_keys.index_copy_(0, torch.where(done, (position + 1) // ratio - 1, spare), key)
+
+
+def qsa_scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Index queries q [T, Hi, Di], block keys [B, Di] -> [T, B] float32: sum_heads relu(q_h . key_b) / sqrt(Di)."""
+    scores = torch.matmul(q.float(), blocks.float().T).transpose(-1, -2)  # [T, B, Hi]
+    return torch.relu(scores).sum(dim=-1) / q.shape[-1] ** 0.5

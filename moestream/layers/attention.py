@@ -112,12 +112,16 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         self.qkv.fuse()
 
-    def gate_of(self, qkv: torch.Tensor) -> torch.Tensor | None:
-        """The output gate [T, Hq*D] (the second half of each q head's slice), or None."""
+    def gate_heads(self, qkv: torch.Tensor) -> torch.Tensor | None:
+        """The output gate [T, Hq, D] (a view: the second half of each q head's slice), or None."""
         if not self.output_gate:
             return None
-        return qkv[:, : self.q_proj.out_features].view(qkv.shape[0], self.heads, -1)[..., self.head_dim:].reshape(
-            qkv.shape[0], -1)
+        return qkv[:, : self.q_proj.out_features].view(qkv.shape[0], self.heads, -1)[..., self.head_dim:]
+
+    def gate_of(self, qkv: torch.Tensor) -> torch.Tensor | None:
+        """The output gate [T, Hq*D], or None."""
+        gate = self.gate_heads(qkv)
+        return None if gate is None else gate.reshape(qkv.shape[0], -1)
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], gate [T, Hq*D] or None."""
@@ -154,5 +158,5 @@ class Attention(nn.Module):
             if self.qk_norm else (None, None, 0.0, False)
         q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *norms, *rope, cache.k, cache.v,
                                    position)
-        out = ops.decode_attention(q, cache.k, cache.v, position, self.head_dim ** -0.5)
-        return self.finish(out, self.gate_of(qkv))
+        out = ops.decode_attention(q, cache.k, cache.v, position, self.head_dim ** -0.5, gate=self.gate_heads(qkv))
+        return self.o_proj(out.reshape(1, -1))

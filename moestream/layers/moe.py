@@ -40,8 +40,7 @@ class SparseMoE(nn.Module):
         y = x.new_empty(t * self.top_k, h)
         for part in self.provider.parts(self.layer_slot, ids, x, ctx.experts):
             ops.expert_part(x, part, self.top_k, y)
-        out = ops.combine_topk(y.view(t, self.top_k, h), weights)
-        if self.has_shared:
-            gate, up, shared_gate = shared
-            out = out + torch.sigmoid(shared_gate) * self.shared_expert.down(gate, up)
-        return out
+        if not self.has_shared:
+            return ops.moe_combine(y.view(t, self.top_k, h), weights)
+        gate, up, shared_gate = shared
+        return ops.moe_combine(y.view(t, self.top_k, h), weights, self.shared_expert.down(gate, up), shared_gate)

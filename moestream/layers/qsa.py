@@ -17,7 +17,6 @@ position, and breaks such ties by the lower block index, since no host decision 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from moestream.config import ModelConfig
-from moestream.kernels import ops
+from moestream.kernels import ops, reference
 from moestream.layers.attention import PREFILL_BACKENDS, Attention, KVCache, causal_attention
 from moestream.layers.context import StepContext
 from moestream.layers.linear import Linear
@@ -108,21 +107,15 @@ class Indexer(nn.Module):
 
     def static_step(self, x: torch.Tensor, rope, position: torch.Tensor, cache: QSACache) -> torch.Tensor:
         """One token at device-side `position` [1]: its raw key stored, and the key of the block it completes
-        (or of none: the spare last row) written, with fixed shapes. Returns its index queries [1, Hi, Di]."""
+        written, with fixed shapes. Returns its index queries [1, Hi, Di]."""
         q, raw_key = self.queries_and_keys(x, rope)
-        cache.index_keys.index_copy_(0, position, raw_key)
-        start = (position + 1 - self.ratio).clamp_min(0)
-        raw = cache.index_keys[start + torch.arange(self.ratio, device=x.device)][None]
-        done = (position + 1) % self.ratio == 0
-        spare = torch.full_like(position, cache.block_keys.shape[0] - 1)
-        cache.block_keys.index_copy_(0, torch.where(done, (position + 1) // self.ratio - 1, spare),
-                                     self.block_keys(raw, start))
+        ops.qsa_block_key(cache.index_keys, cache.block_keys, raw_key, position, self.ratio, self.k_layernorm.weight,
+                          self.k_layernorm.eps, self.rotary.inv_freq)
         return q
 
     def scores(self, q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """q [T, Hi, Di], blocks [B, Di] -> [T, B] float32, each >= 0."""
-        scores = torch.matmul(q.float(), blocks.float().T).transpose(-1, -2)  # [T, B, Hi]
-        return torch.relu(scores).sum(dim=-1) / math.sqrt(self.dim)
+        return reference.qsa_scores(q, blocks)
 
     def select(self, q: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor):
         """q [T, Hi, Di], blocks [B, Di], positions [T] -> token ids [T, S] and their validity [T, S]."""
@@ -139,16 +132,10 @@ class Indexer(nn.Module):
                 chosen[rows] = scores[rows, :n].topk(k, dim=-1).indices
         return self._tokens(chosen, chosen_ok, complete, positions, blocks.shape[0])
 
-    def select_static(self, q: torch.Tensor, blocks: torch.Tensor, position: torch.Tensor):
+    def select_static(self, q: torch.Tensor, blocks: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """`select` for one query at device-side `position` [1] over every block row the cache can hold [B, Di],
-        with fixed shapes; exact ties go to the lower block index."""
-        complete = (position + 1) // self.ratio
-        index = torch.arange(blocks.shape[0], device=q.device)
-        allowed = index[None] < complete[:, None]
-        # non-negative float32 scores order as their bits, so (bits, -index) is one exact int64 key
-        key = (self.scores(q, blocks).view(torch.int32).long() << 31) | ((1 << 31) - 1 - index)
-        chosen = key.masked_fill(~allowed, -1).topk(min(self.block_topk, blocks.shape[0]), dim=-1).indices
-        return self._tokens(chosen, allowed.gather(1, chosen), complete, position, blocks.shape[0])
+        with fixed shapes; exact ties go to the lower block index. Returns the cache rows [S], -1 for none."""
+        return ops.qsa_rows(ops.qsa_scores(q, blocks), position, self.ratio, self.block_topk)
 
     def _tokens(self, chosen, chosen_ok, complete, positions, blocks: int):
         """Chosen blocks [T, k] (valid where chosen_ok) -> token ids [T, S] and their validity, blocks in order."""
@@ -199,24 +186,17 @@ class IndexedAttention(Attention):
                                    self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, *rope, cache.k,
                                    cache.v, position)
         index_q = self.indexer.static_step(x, rope, position, cache)
-        ids, ok = self.indexer.select_static(index_q, cache.block_keys[:-1], position)
-        return self.finish(_attend(q, ids, ok, cache.k, cache.v, self.head_dim ** -0.5), self.gate_of(qkv))
+        rows = self.indexer.select_static(index_q, cache.block_keys[:-1], position)
+        out = ops.decode_attention(q, cache.k, cache.v, position, self.head_dim ** -0.5, rows, self.gate_heads(qkv))
+        return self.o_proj(out.reshape(1, -1))
 
 
 def _attend_masked(q, ids, ok, keys, values, scale) -> torch.Tensor:
-    """`_attend` for many queries: each over every row of keys, values [L, Hq, D] with its selection as a mask,
-    which reads each key once where gathering them read it once a query that chose it."""
+    """Queries q [T, Hq, D], each over every row of keys, values [L, Hq, D] with its selection (ids [T, S],
+    valid where `ok`) as a mask, which reads each key once where gathering them read it once a query that chose it."""
     mask = torch.zeros(q.shape[0], keys.shape[0] + 1, dtype=torch.bool, device=q.device)
     mask = mask.scatter(1, torch.where(ok, ids, keys.shape[0]), True)[:, :-1]  # unselected ids land in the spare
     with sdpa_kernel(PREFILL_BACKENDS) if q.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                              values.transpose(0, 1)[None], attn_mask=mask[None, None], scale=scale)
     return out[0].transpose(0, 1)
-
-
-def _attend(q, ids, ok, keys, values, scale) -> torch.Tensor:
-    """q [T, Hq, D] attends to its selected rows `ids` [T, S] (valid where `ok`) of keys, values [L, Hkv, D]."""
-    k, v = keys[ids].transpose(1, 2), values[ids].transpose(1, 2)  # [T, Hkv, S, D]
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=ok[:, None, None], scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out[:, :, 0]

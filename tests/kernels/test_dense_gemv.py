@@ -27,3 +27,19 @@ def test_matches_linear(n, k, bias):
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert got.shape == (1, n) and got.dtype == DTYPE
     torch.testing.assert_close(got.float(), want, **({} if INTERPRET else dict(atol=2e-2, rtol=2e-2)))
+
+
+@pytest.mark.parametrize("n,k", [(2560, 640), (96, 40), (2048, 768)])
+def test_glu_matches_reference(n, k):
+    """With `up`, the input is silu(gate) * up, rounded as torch rounds it (reference.glu_linear)."""
+    pytest.importorskip("triton")
+    from moestream.kernels import reference
+    from moestream.kernels.dense_gemv import dense_gemv
+
+    gen = torch.Generator().manual_seed(6)
+    gate, up = (torch.randn(1, k, generator=gen).to(DEVICE, DTYPE) for _ in range(2))
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, DTYPE)
+    got = dense_gemv(gate, w, None, up)
+    want = reference.glu_linear(gate.float(), up.float(), w.float())
+    assert got.shape == (1, n) and got.dtype == DTYPE
+    torch.testing.assert_close(got.float(), want, **({} if INTERPRET else dict(atol=2e-2, rtol=2e-2)))

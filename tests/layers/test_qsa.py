@@ -52,8 +52,10 @@ def test_static_selection_equals_eager_and_breaks_ties_by_block_index(tiny):
         q = torch.randn(length, heads, cfg.indexer_head_dim, generator=gen)
         eager_ids, eager_ok = indexer.select(q, blocks[: length // ratio], torch.arange(length))
         for p in range(length):
-            ids, ok = indexer.select_static(q[p][None], blocks, torch.tensor([p]))
-            got = set(ids[0][ok[0]].tolist())
+            rows = indexer.select_static(q[p][None], blocks, torch.tensor([p]))
+            assert rows.shape == (indexer.block_topk * ratio + ratio - 1,)
+            got = set(rows[rows >= 0].tolist())
+            assert len(got) == (rows >= 0).sum()
             if heads > 1:
                 assert got == set(eager_ids[p][eager_ok[p]].tolist()), p
                 continue

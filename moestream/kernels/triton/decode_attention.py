@@ -9,12 +9,13 @@ import triton.language as tl
 
 
 @triton.jit
-def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, qk_scale, C,
+def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr, qk_scale, C,
                                   HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                                   GP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-                                  SPLITS: tl.constexpr):
+                                  SPLITS: tl.constexpr, ROWS: tl.constexpr):
     """Partials of split s for kv head hk: acc [G, D] = sum_n p_n v_n, m = max score, l = sum_n p_n, with
-    scores in log2 units (qk_scale = scale * log2(e)). An empty split leaves m = -inf, l = 0, acc = 0."""
+    scores in log2 units (qk_scale = scale * log2(e)). An empty split leaves m = -inf, l = 0, acc = 0. With ROWS,
+    the positions are the C entries of rows_ptr (cache rows, -1 for none) instead of 0..position."""
     hk = tl.program_id(0)
     s = tl.program_id(1)
     g = tl.arange(0, GP)
@@ -22,7 +23,7 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, 
     # GP >= 16 rows so tl.dot applies; rows past G are zero queries whose results are never stored
     heads = hk * G + g
     q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0)
-    end = tl.minimum(tl.load(pos_ptr) + 1, C)
+    end = C if ROWS else tl.minimum(tl.load(pos_ptr) + 1, C)
     start = s * SPLIT_LEN
     stop = tl.minimum(start + SPLIT_LEN, end)
     m = tl.full((GP,), float("-inf"), tl.float32)
@@ -31,16 +32,23 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, 
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         live = n < stop
+        if ROWS:
+            n = tl.load(rows_ptr + n, mask=live, other=-1)
+            live = n >= 0
         rows = n.to(tl.int64)[:, None] * (HKV * D) + hk * D + d[None, :]
         # masked loads: rows past `position` may hold anything (even NaN) and must never be read
         k = tl.load(k_ptr + rows, mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + rows, mask=live[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         scores = tl.where(live[None, :], scores, float("-inf"))
-        # every block holds a live position, so m_new is finite and p is exactly 0 where masked
+        # every block of 0..position holds a live position, so m_new is finite and p is exactly 0 where masked;
+        # a block of rows may hold none (-inf - -inf would be NaN)
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_ref = m_new
+        if ROWS:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
@@ -51,12 +59,13 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, 
 
 
 @triton.jit
-def decode_attention_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
-                                    SPLITS_P: tl.constexpr):
-    """out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, in a fixed order (deterministic)."""
+def decode_attention_combine_kernel(acc_ptr, m_ptr, l_ptr, gate_ptr, out_ptr, GATE_STRIDE, D: tl.constexpr,
+                                    SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, GATE: tl.constexpr):
+    """out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, in a fixed order (deterministic); with GATE,
+    rounded, then times sigmoid(gate[h]) (head h's gate at gate_ptr + h * GATE_STRIDE), rounded as torch does."""
     h = tl.program_id(0)
     i = tl.arange(0, SPLITS_P)
-    # split 0 always holds position 0, so the max is finite and empty splits weigh exactly 0
+    # some split holds a live row (position 0, or the query's own), so the max is finite and empty splits weigh 0
     m = tl.load(m_ptr + h * SPLITS + i, mask=i < SPLITS, other=float("-inf"))
     big = tl.max(m, axis=0)
     den = tl.sum(tl.exp2(m - big) * tl.load(l_ptr + h * SPLITS + i, mask=i < SPLITS, other=0.0), axis=0)
@@ -65,4 +74,9 @@ def decode_attention_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, D: tl.conste
     for s in range(SPLITS):
         w = tl.exp2(tl.load(m_ptr + h * SPLITS + s) - big)
         num += w * tl.load(acc_ptr + (h * SPLITS + s) * D + d)
-    tl.store(out_ptr + h * D + d, (num / den).to(out_ptr.dtype.element_ty))
+    dt = out_ptr.dtype.element_ty
+    out = (num / den).to(dt)
+    if GATE:
+        g = tl.load(gate_ptr + h * GATE_STRIDE + d).to(tl.float32)
+        out = (out * (1.0 / (1.0 + tl.exp(-g))).to(dt)).to(dt)
+    tl.store(out_ptr + h * D + d, out)

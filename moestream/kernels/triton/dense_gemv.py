@@ -1,4 +1,5 @@
-"""One token's dense projection as a GEMV: y = W x (+ b), W [N, K] bf16 read once, fp32 accumulation."""
+"""One token's dense projection as a GEMV: y = W x (+ b), W [N, K] bf16 read once, fp32 accumulation; with GLU,
+x = silu(gate) * up (a SwiGLU MLP's down projection), each rounded to the activation dtype as torch rounds them."""
 
 import triton
 import triton.language as tl
@@ -11,8 +12,18 @@ def _weights(w_ptr, n, live, k0, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def dense_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      HAS_BIAS: tl.constexpr):
+def _input(x_ptr, up_ptr, k, K: tl.constexpr, GLU: tl.constexpr):
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    if GLU:
+        dt = x_ptr.dtype.element_ty
+        g = x.to(tl.float32)
+        x = ((g / (1.0 + tl.exp(-g))).to(dt) * tl.load(up_ptr + k, mask=k < K, other=0.0)).to(dt)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def dense_gemv_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
     """Program i: y[n] for the BN rows n of block i, over K in chunks of BK (the last one masked)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     live = n < N
@@ -20,8 +31,7 @@ def dense_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BN: tl.con
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * _input(x_ptr, up_ptr, k, K, GLU)[None, :]
         w = _weights(w_ptr, n, live, k0 + BK, K, BK)  # the next chunk (past K: masked, nothing read)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
