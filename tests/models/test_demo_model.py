@@ -32,15 +32,17 @@ def test_the_demo_models_logits_equal_transformers(tmp_path):
     llm.close()
 
 
-def greedy(device: str) -> list[int]:
-    llm = LLM(DEMO_STORE, device=device, pool_gb=56 * load_manifest(DEMO_STORE).layouts["q4"].stride / 1e9 * 1.0001)
+def greedy(device: str, dtype: str | None = None) -> list[int]:
+    llm = LLM(DEMO_STORE, device=device, dtype=dtype,
+              pool_gb=56 * load_manifest(DEMO_STORE).layouts["q4"].stride / 1e9 * 1.0001)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=48, temperature=0))[0].token_ids
     llm.close()
     return out
 
 
 @pytest.mark.gpu
-def test_the_demo_model_gives_the_same_greedy_tokens_on_cpu_and_gpu():
+@pytest.mark.parametrize("gpu_dtype", ["bfloat16", "float32"])
+def test_the_demo_model_gives_the_same_greedy_tokens_on_cpu_and_gpu(gpu_dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    assert greedy("cuda") == greedy("cpu")
+    assert greedy("cuda", gpu_dtype) == greedy("cpu")
