@@ -15,9 +15,6 @@ from moestream.kernels import reference
 
 DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config
 
-causal_conv1d = reference.causal_conv1d
-gated_delta_rule = reference.gated_delta_rule
-
 
 KERNELS = os.environ.get("MOESTREAM_KERNELS", "")
 
@@ -161,6 +158,19 @@ def ngram_rows(table: torch.Tensor, ids: torch.Tensor, layout: NgramLayout, dtyp
 
         return kernel.ngram_rows(table, ids, layout, dtype)
     return reference.ngram_rows(table, ids, layout, dtype)
+
+
+def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, activation: str,
+                  conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """A DeltaNet layer between its projections, states updated in place (reference.deltanet_step); one
+    token's is two or three Triton launches (conv, recurrence with the gated norm), prefill the reference."""
+    args = (mixed, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, activation, conv_state, state)
+    if mixed.shape[0] == 1 and use_triton(mixed.device):
+        from moestream.kernels import deltanet
+
+        return deltanet.deltanet_step(*args)
+    return reference.deltanet_step(*args)
 
 
 def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts, top_k: int, out: torch.Tensor) -> None:

@@ -199,6 +199,48 @@ def _delta_step(q, k, v, g, beta, state):
     return (q[:, :, None] * s).sum(1)[None], s
 
 
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str) -> torch.Tensor:
+    """The DeltaNet output norm over the last dim: `w * norm(x)` (norm rounded to x's dtype first) times
+    act(gate) in fp32, act "silu" or "sigmoid", rounded to x's dtype. x, gate [..., D]; weight [D]."""
+    act = F.silu if activation == "silu" else torch.sigmoid
+    y = weight * rms(x, eps).to(x.dtype)
+    return (y * act(gate.float())).to(x.dtype)
+
+
+def deltanet_recurrent(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                       dt_bias: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule of a DeltaNet layer from its conv output mixed [T, 2 * Nk * Dk + Hv * Dv] = [q|k|v]
+    and raw gates b, a [T, Hv]: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); value head h reads
+    key head h // (Hv // Nk). state [Hv, Dk, Dv] fp32 is updated in place. Returns out [T, Hv, Dv] fp32."""
+    t = mixed.shape[0]
+    hv, dk, dv = state.shape
+    nk = (mixed.shape[-1] - hv * dv) // (2 * dk)
+    q, k, v = mixed.split([nk * dk, nk * dk, hv * dv], dim=-1)
+    per = hv // nk  # each key head serves `per` consecutive value heads
+    q = q.reshape(t, nk, dk).repeat_interleave(per, dim=1)
+    k = k.reshape(t, nk, dk).repeat_interleave(per, dim=1)
+    v = v.reshape(t, hv, dv)
+    beta = torch.sigmoid(b.float())
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    out, final = gated_delta_rule(q, k, v, g, beta, state)
+    state.copy_(final)
+    return out
+
+
+def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, activation: str,
+                  conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """A DeltaNet layer between its projections, over T tokens: causal conv + SiLU of mixed [T, C], the gated
+    delta rule (deltanet_recurrent), the gated norm with z [T, Hv, Dv]. conv_state [K-1, C] and state
+    [Hv, Dk, Dv] are updated in place. Returns [T, Hv * Dv] in mixed's dtype."""
+    t = mixed.shape[0]
+    mixed, conv = causal_conv1d(mixed, conv_state, conv_weight)
+    conv_state.copy_(conv)
+    out = deltanet_recurrent(mixed, b, a, A_log, dt_bias, state)
+    return gated_rms_norm(out.to(mixed.dtype), z, norm_weight, eps, activation).reshape(t, -1)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
                      scale: float, rows: torch.Tensor | None = None, gate: torch.Tensor | None = None
                      ) -> torch.Tensor:

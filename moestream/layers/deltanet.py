@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelConfig
@@ -86,18 +85,9 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
 
     def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        t = x.shape[0]
+        """x [T, H] -> [T, H]; the conv and recurrent states advance in place (a captured decode graph keeps
+        pointing at these buffers)."""
         mixed, z, b, a = self._project(x)
-        mixed, conv = ops.causal_conv1d(mixed, state.conv, self.conv1d.weight)
-        state.conv.copy_(conv)  # in place: a captured decode graph keeps pointing at these buffers
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        per = self.nv // self.nk  # each key head serves `per` consecutive value heads
-        q = q.reshape(t, self.nk, self.dk).repeat_interleave(per, dim=1)
-        k = k.reshape(t, self.nk, self.dk).repeat_interleave(per, dim=1)
-        v = v.reshape(t, self.nv, self.dv)
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, recurrent = ops.gated_delta_rule(q, k, v, g, beta, state.recurrent)
-        state.recurrent.copy_(recurrent)
-        out = self.norm(out.to(x.dtype), z)
-        return self.out_proj(out.reshape(t, -1))
+        out = ops.deltanet_step(mixed, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
+                                self.norm.eps, self.norm.activation, state.conv, state.recurrent)
+        return self.out_proj(out)

@@ -4,11 +4,10 @@ slice of the last dim normalised on its own: the hyper-connection streams of qwe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moestream.kernels import ops
-from moestream.kernels.reference import rms, rms_norm
+from moestream.kernels.reference import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -37,9 +36,7 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, activation: str = "silu"):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        self.act = F.silu if activation == "silu" else torch.sigmoid
+        self.eps, self.activation = eps, activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = self.weight * rms(x, self.eps).to(x.dtype)
-        return (y * self.act(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.activation)
