@@ -7,25 +7,43 @@ import torch
 import triton
 
 BK = 512  # K chunk: four 16-byte loads a thread at 4 warps and BN 8
+BN = 8
 MIN_PROGRAMS = 1024  # enough blocks that every SM keeps several in flight
+MIN_SPAN = 2 * BK  # columns of a split of K: each program still streams a few chunks
+SUM_BLOCK = 1024
+
+
+def plan(n: int, k: int) -> tuple[int, int]:
+    """(rows a block, splits of K): K split in powers of two while the blocks are too few to fill the GPU and the
+    spans stay long (a 324 x 10240 weight: 41 blocks a whole K each ran at ~300 GB/s), then fewer rows a block."""
+    bn, splits = BN, 1
+    while -(-n // bn) * splits < MIN_PROGRAMS and k // (2 * splits) >= MIN_SPAN:
+        splits *= 2
+    while bn > 1 and -(-n // bn) * splits < MIN_PROGRAMS:
+        bn //= 2
+    return bn, splits
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                up: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] -> [1, N] = x @ weight.T (+ bias); weight [N, K] contiguous. With `up` [1, K], the input is
     silu(x) * up instead (the down projection of a SwiGLU MLP, its gate and up products never stored)."""
-    from moestream.kernels.triton.dense_gemv import dense_gemv_kernel
+    from moestream.kernels.triton.dense_gemv import dense_gemv_kernel, split_sum_kernel
 
     n, k = weight.shape
-    bn = 8
-    while bn > 1 and n // bn < MIN_PROGRAMS:  # small N: fewer rows a block, so that the blocks fill the GPU
-        bn //= 2
+    bn, splits = plan(n, k)
+    span = -(-k // (splits * 64)) * 64  # whole 128-byte lines a split
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     x = x.contiguous()
-    dense_gemv_kernel[(-(-n // bn),)](x, x if up is None else up.contiguous(), weight,
-                                     weight if bias is None else bias, y, n, K=k, BN=bn,
-                                     BK=min(BK, 1 << (k - 1).bit_length()), HAS_BIAS=bias is not None,
-                                     GLU=up is not None, num_warps=4)
+    bias_or_any = weight if bias is None else bias
+    dense_gemv_kernel[(-(-n // bn), splits)](x, x if up is None else up.contiguous(), weight, bias_or_any, y, part, n,
+                                            K=k, BN=bn, BK=min(BK, triton.next_power_of_2(k)), SPAN=span,
+                                            SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None,
+                                            num_warps=4)
+    if splits > 1:
+        split_sum_kernel[(-(-n // SUM_BLOCK),)](part, bias_or_any, y, n, SPLITS=splits, BLOCK=SUM_BLOCK,
+                                                HAS_BIAS=bias is not None, num_warps=4)
     return y
 
 

@@ -67,14 +67,14 @@ def _same_for_every_setting(tiny, tmp_path, model_type, settings):
         try:
             tokens, logits = greedy_trace(llm, prompt_of(llm, PROMPT), STEPS)
             replays = llm.decoder.graph_replays
-            totals = llm.stats()["totals"]["q4"]
+            totals, layers = llm.stats()["totals"]["q4"], len(llm.provider.stats.layers)
         finally:
             llm.close()
         lines.append(f"{model_type} {setting}: graph replays {replays}, misses {totals['misses']}, "
                      f"tokens {tokens[:8]}")
         # graph replays are counted too: every decode step looked up each MoE layer's experts
         assert totals["hits"] + totals["misses"] == totals["lookups"]
-        assert totals["decode_steps"] >= STEPS * len(llm.provider.stats.layers), setting
+        assert totals["decode_steps"] >= STEPS * layers, setting
         if reference is None:
             reference = (tokens, logits)
             continue

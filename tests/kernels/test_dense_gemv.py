@@ -1,5 +1,6 @@
 """The dense GEMV equals F.linear for one token: the attention projections' and router's shapes, K not a
-multiple of the chunk, small N, with and without bias. Runs on CUDA, or on CPU under TRITON_INTERPRET=1."""
+multiple of the chunk, small N, K split over programs, with and without bias. Runs on CUDA, or on CPU under
+TRITON_INTERPRET=1."""
 
 import os
 
@@ -14,7 +15,7 @@ DTYPE = torch.float32 if INTERPRET else torch.bfloat16
 
 
 @pytest.mark.parametrize("n,k,bias", [(5120, 2048, False), (2048, 4096, False), (128, 2048, False),
-                                      (3, 96, True), (640, 2560, True)])
+                                      (3, 96, True), (640, 2560, True), (324, 10240, True), (2560, 6144, False)])
 def test_matches_linear(n, k, bias):
     pytest.importorskip("triton")
     from moestream.kernels.dense_gemv import dense_gemv

@@ -6,9 +6,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _weights(w_ptr, n, live, k0, K: tl.constexpr, BK: tl.constexpr):
+def _weights(w_ptr, n, live, k0, end, K: tl.constexpr, BK: tl.constexpr):
     k = k0 + tl.arange(0, BK)
-    return tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & (k < K)[None, :], other=0.0)
+    return tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & (k < end)[None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -22,18 +23,38 @@ def _input(x_ptr, up_ptr, k, K: tl.constexpr, GLU: tl.constexpr):
 
 
 @triton.jit
-def dense_gemv_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
-    """Program i: y[n] for the BN rows n of block i, over K in chunks of BK (the last one masked)."""
+def dense_gemv_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, N, K: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, SPAN: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      GLU: tl.constexpr):
+    """Program (i, s): the BN rows n of block i over columns s * SPAN .. (s + 1) * SPAN in chunks of BK (masked
+    past K). One split stores y; several store fp32 partials part[s, n], which split_sum_kernel adds in order."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     live = n < N
-    w = _weights(w_ptr, n, live, 0, K, BK)
+    start = tl.program_id(1) * SPAN
+    end = tl.minimum(start + SPAN, K)
+    w = _weights(w_ptr, n, live, start, end, K, BK)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(start, end, BK):
         k = k0 + tl.arange(0, BK)
         acc += w.to(tl.float32) * _input(x_ptr, up_ptr, k, K, GLU)[None, :]
-        w = _weights(w_ptr, n, live, k0 + BK, K, BK)  # the next chunk (past K: masked, nothing read)
+        w = _weights(w_ptr, n, live, k0 + BK, end, K, BK)  # the next chunk (past the span: masked, nothing read)
     y = tl.sum(acc, axis=1)
+    if SPLITS > 1:
+        tl.store(part_ptr + tl.program_id(1) * N + n, y, mask=live)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)
+        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def split_sum_kernel(part_ptr, b_ptr, y_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[n] = sum over splits s, in order, of part[s, n] (+ bias): the same bits every run."""
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = n < N
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        y += tl.load(part_ptr + s * N + n, mask=live, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=live)

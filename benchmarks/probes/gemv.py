@@ -1,0 +1,54 @@
+"""The dense projections of a decode step at the flagship's shapes: the one-row Triton GEMV, the batch-invariant
+row kernel (1, 2, 5 and 16 rows) and cuBLAS, each over weight copies that together exceed the L2 (so HBM serves
+them), as GB/s of weights read. Prints one line per shape and kernel.
+
+python -m benchmarks.probes.gemv
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.testing
+
+from moestream.kernels.dense_gemv import dense_gemv, dense_rows
+
+SHAPES = {  # (N, K): qwen4_exp's decode projections
+    "deltanet in [qkv|z|b|a]": (16480, 2560),
+    "deltanet out": (2560, 6144),
+    "hc [down|inject]": (324, 10240),
+    "hc up": (10240, 320),
+    "router + shared gate/up": (1793, 2560),
+    "shared down": (2560, 640),
+    "attention [q|k|v]": (9216, 2560),
+    "lm_head": (248320, 2560),
+}
+
+
+def rate(fn, weights: list[torch.Tensor]) -> float:
+    i = [0]
+
+    def call():
+        i[0] = (i[0] + 1) % len(weights)
+        fn(weights[i[0]])
+
+    ms = triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median")
+    return weights[0].numel() * 2 / ms / 1e6
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, -(-200 * 2**20 // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(16, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        cells = {"gemv 1": rate(lambda w, x=x: dense_gemv(x[:1], w, None), weights),
+                 "cublas 1": rate(lambda w, x=x: torch.nn.functional.linear(x[:1], w), weights)}
+        for rows in (1, 2, 5, 16):
+            cells[f"rows {rows}"] = rate(lambda w, r=rows, x=x: dense_rows(x[:r], w, None), weights)
+        print(f"{name:26s} {n:6d}x{k:5d}  " + "  ".join(f"{c} {v:6.0f}" for c, v in cells.items()) + "  GB/s",
+              flush=True)
+        del weights
+
+
+if __name__ == "__main__":
+    main()
