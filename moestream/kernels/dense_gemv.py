@@ -3,6 +3,8 @@ the [q|k|v] projection as a split-K GEMM plus a reduction kernel, at about half 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -48,21 +50,46 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 ROWS = 16  # token rows a launch pads to: the MMA's smallest width, and the largest decode batch
-ROWS_BN, ROWS_BK = 16, 256
 
 
-def dense_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               up: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class RowsTile:
+    bn: int = 16
+    bk: int = 256
+    warps: int = 4
+    stages: int = 3
+    min_programs: int = MIN_PROGRAMS
+
+
+def rows_plan(n: int, k: int, tile: RowsTile) -> int:
+    """Splits of K (powers of two) while the blocks are too few and the spans stay two chunks long."""
+    splits = 1
+    while -(-n // tile.bn) * splits < tile.min_programs and k // (2 * splits) >= 2 * tile.bk:
+        splits *= 2
+    return splits
+
+
+def dense_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, up: torch.Tensor | None = None,
+               tile: RowsTile = RowsTile()) -> torch.Tensor:
     """x [T, K] (T <= ROWS; rows of any stride) -> [T, N] = x @ weight.T (+ bias), each row's bits independent of T;
     with `up` (same shape and stride as x), the input is silu(x) * up."""
-    from moestream.kernels.triton.dense_gemv import dense_rows_kernel
+    from moestream.kernels.triton.dense_gemv import dense_rows_kernel, split_sum_kernel
 
     t, k = x.shape
     n = weight.shape[0]
     assert t <= ROWS and x.stride(1) == 1 and (up is None or up.stride() == x.stride())
+    splits = rows_plan(n, k, tile)
+    span = -(-k // (splits * 64)) * 64
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    dense_rows_kernel[(-(-n // ROWS_BN),)](x, x if up is None else up, weight, weight if bias is None else bias, y, t,
-                                           n, x.stride(0), K=k, BN=ROWS_BN, BK=min(ROWS_BK, triton.next_power_of_2(k)),
-                                           ROWS=ROWS, HAS_BIAS=bias is not None, GLU=up is not None,
-                                           IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3)
+    part = torch.empty(splits, t, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    bias_or_any = weight if bias is None else bias
+    dense_rows_kernel[(-(-n // tile.bn), splits)](
+        x, x if up is None else up, weight, bias_or_any, y, part, t, n, x.stride(0), K=k, BN=tile.bn,
+        BK=min(tile.bk, triton.next_power_of_2(k)), SPAN=span, SPLITS=splits, ROWS=ROWS, HAS_BIAS=bias is not None,
+        GLU=up is not None, IEEE=x.dtype == torch.float32, num_warps=tile.warps, num_stages=tile.stages)
+    if splits > 1:
+        split_sum_kernel[(-(-t * n // SUM_BLOCK),)](part, bias_or_any, y, t * n, SPLITS=splits, BLOCK=SUM_BLOCK,
+                                                    HAS_BIAS=False, num_warps=4)
+        if bias is not None:
+            y += bias
     return y

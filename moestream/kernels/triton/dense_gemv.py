@@ -61,20 +61,23 @@ def split_sum_kernel(part_ptr, b_ptr, y_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, T, N, stride_x, K: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                      IEEE: tl.constexpr):
-    """y[t, n] for the T <= ROWS token rows t and the BN weight rows n of program i: W [BN, BK] @ x^T [BK, ROWS] on
-    the tensor cores. Rows past T are zeros, and every output's arithmetic is fixed by the constexpr shapes, not by
-    the other rows' values, so a token's result is the same bits whatever T is (batch invariance)."""
+def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, T, N, stride_x, K: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, SPLITS: tl.constexpr,
+                      ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, IEEE: tl.constexpr):
+    """y[t, n] for the T <= ROWS token rows t and the BN weight rows n of program (i, s), over columns s * SPAN ..
+    (s + 1) * SPAN: W [BN, BK] @ x^T [BK, ROWS] on the tensor cores. Rows past T are zeros, and every output's
+    arithmetic is fixed by the constexpr shapes, not by the other rows' values, so a token's result is the same bits
+    whatever T is (batch invariance). Several splits store fp32 partials part[s, t, n] for split_sum_kernel."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     t = tl.arange(0, ROWS)
     live, rows = n < N, t < T
     dt = x_ptr.dtype.element_ty
+    start = tl.program_id(1) * SPAN
+    end = tl.minimum(start + SPAN, K)
     acc = tl.zeros((BN, ROWS), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(start, end, BK):
         k = k0 + tl.arange(0, BK)
-        inside = k < K
+        inside = k < end
         w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
         at = t[None, :] * stride_x + k[:, None]
         x = tl.load(x_ptr + at, mask=rows[None, :] & inside[:, None], other=0.0)
@@ -83,6 +86,10 @@ def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, T, N, stride_x, K: tl.
             x = ((g / (1.0 + tl.exp(-g))).to(dt) * tl.load(up_ptr + at, mask=rows[None, :] & inside[:, None],
                                                            other=0.0)).to(dt)
         acc = tl.dot(w.to(dt), x, acc, input_precision="ieee" if IEEE else "tf32")
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + t[None, :] * N + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=rows[None, :] & live[:, None])
+    out = t[None, :] * N + n[:, None]
+    if SPLITS > 1:
+        tl.store(part_ptr + tl.program_id(1) * T * N + out, acc, mask=rows[None, :] & live[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=rows[None, :] & live[:, None])
