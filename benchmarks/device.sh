@@ -69,9 +69,9 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
       [ -f "$WORK/fn4/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn4" --geometry qwen3.8-flash-next \
         --layers 4 --sparse q4 --ngram-rows 1000000 > "$OUT/fn4.log" 2>&1
       mkdir -p /tmp/base && tar xzf .device/base.tgz -C /tmp/base
-      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
-        PYTHONPATH="$tree" timeout 150 python -m benchmarks.probes.flash_next "$WORK/fn4" --configs graph \
-          --out "$OUT/ab-fn4-$(basename "$tree").jsonl" 2>&1 | grep decode_tok_s | cut -c1-220
+      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do  # python -m imports from the working directory first
+        (cd "$tree" && PYTHONPATH="$tree" timeout 150 python -m benchmarks.probes.flash_next "$WORK/fn4" \
+          --configs graph --out "$OUT/ab-fn4-$(basename "$tree").jsonl" 2>&1 | grep -o '"prompt".*')
       done ;;
     gemv) timeout 120 python -m benchmarks.probes.gemv 2>&1 | tee "$OUT/gemv.log" ;;
     e2e) e2e 300 e2e --decode --prefill ;;
