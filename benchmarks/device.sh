@@ -50,11 +50,15 @@ for stage in "$@"; do
                 "${st[@]}" ${FLAGSHIP_ARGS:-} 2>&1 | tee "$OUT/flagship.log" | tail -20
               cp "$OUT/flagship/flagship.json" "$f" ;;  # FLAGSHIP_ARGS="--rows 24gb-host,..."
     train-bg)  # issue 28's demo model: a 30-step probe sizes --steps to ~TRAIN_SECONDS alone, then trains in the background
-      T=(--data "${TRAIN_DATA:-.device/corpus}" --device cuda --batch 64 --seq 512 --lr 2e-3 --warmup 200)
-      python -m training.train "${T[@]}" --out "$WORK/probe" --stop-at 30 --eval-every 0 > "$OUT/train-probe.log" 2>&1
-      steps=$(python -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-2]; \
+      data="${TRAIN_DATA:-.device/corpus}"  # train.bin may come gzipped (the tree and the data share 64 MiB)
+      [ -f "$data/train.bin.gz" ] && [ ! -f "$data/train.bin" ] && gunzip -k "$data/train.bin.gz"
+      T=(--data "$data" --device cuda --batch 64 --seq 512 --lr 2e-3 --warmup 200)
+      if [ -n "${TRAIN_STEPS:-}" ]; then steps=$TRAIN_STEPS; else  # TRAIN_STEPS=3858: the shipped model's run
+        python -m training.train "${T[@]}" --out "$WORK/probe" --stop-at 30 --eval-every 0 > "$OUT/train-probe.log" 2>&1
+        steps=$(python -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-2]; \
 print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK/probe/log.jsonl") || steps=2000
-      echo "probe: $(tail -2 "$OUT/train-probe.log" | head -1); --steps $steps"
+        echo "probe: $(tail -2 "$OUT/train-probe.log" | head -1); --steps $steps"
+      fi
       setsid python -m training.train "${T[@]}" --out "$WORK/train" --steps "$steps" --eval-every 500 \
         --ckpt-every 1000 > "$WORK/train.log" 2>&1 & echo $! > "$WORK/train.pid" ;;
     train-wait)  # the exported model comes back as 15 MiB parts: cat model.tgz.* | tar xz

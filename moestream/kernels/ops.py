@@ -68,9 +68,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias (reference.linear); one token's on the GPU as a Triton GEMV, which reads at the HBM
-    rate where cuBLAS splits K and adds a reduce kernel (21% faster graphed decode on the H200)."""
-    if x.shape[0] == 1 and use_triton(x.device):
+    """x @ weight.T + bias (reference.linear); a decode step's few rows on the GPU as a Triton GEMV, which reads at
+    the HBM rate where cuBLAS splits K and adds a reduce kernel (21% faster graphed decode on the H200), and whose
+    rows' bits do not depend on how many there are."""
+    if x.shape[0] <= DECODE_MAX_ROWS and use_triton(x.device):
         from moestream.kernels import dense_gemv
 
         return dense_gemv.dense_gemv(x, weight, bias)
@@ -78,8 +79,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up @ weight.T (reference.glu_linear); one token's on the GPU as one GEMV launch."""
-    if gate.shape[0] == 1 and use_triton(gate.device):
+    """silu(gate) * up @ weight.T (reference.glu_linear); a decode step's rows on the GPU as one GEMV launch."""
+    if gate.shape[0] <= DECODE_MAX_ROWS and use_triton(gate.device):
         from moestream.kernels import dense_gemv
 
         return dense_gemv.dense_gemv(gate, weight, None, up)
