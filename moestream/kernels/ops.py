@@ -189,3 +189,36 @@ def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts, top_k: in
                            expert_phase(x.shape[0]))
     else:
         reference.expert_group(x, part.buffer, part.slots, part.layout, part.spans, part.order, top_k, out)
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+                     group_size: int) -> torch.Tensor:
+    """RMSNorm of each `group_size` slice with its own weight slice (reference.grouped_rms_norm), one launch on
+    the GPU."""
+    if use_triton(x.device):
+        from moestream.kernels import rowwise
+
+        return rowwise.grouped_rms_norm(x, weight, eps, zero_centered, group_size)
+    return reference.grouped_rms_norm(x, weight, eps, zero_centered, group_size)
+
+
+def inject_rms_norm(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(streams + a block's output injected at per-stream weights, its grouped norm) (reference.inject_rms_norm),
+    one launch on the GPU."""
+    if use_triton(streams.device):
+        from moestream.kernels import hyper
+
+        return hyper.inject_rms_norm(streams, out, weights, norm_weight, eps, zero_centered)
+    return reference.inject_rms_norm(streams, out, weights, norm_weight, eps, zero_centered)
+
+
+def hyper_mix(normed: torch.Tensor, projected: torch.Tensor, up_weight: torch.Tensor,
+              streams: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A hyper-connection's block input and injection weights from its normed streams and their projection
+    (reference.hyper_mix); one token's on the GPU is one launch that reads the up weight once."""
+    if normed.shape[0] == 1 and use_triton(normed.device):
+        from moestream.kernels import hyper
+
+        return hyper.hyper_mix(normed, projected, up_weight, streams)
+    return reference.hyper_mix(normed, projected, up_weight, streams)

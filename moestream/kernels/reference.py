@@ -299,3 +299,33 @@ def qsa_scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """Index queries q [T, Hi, Di], block keys [B, Di] -> [T, B] float32: sum_heads relu(q_h . key_b) / sqrt(Di)."""
     scores = torch.matmul(q.float(), blocks.float().T).transpose(-1, -2)  # [T, B, Hi]
     return torch.relu(scores).sum(dim=-1) / q.shape[-1] ** 0.5
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+                     group_size: int) -> torch.Tensor:
+    """RMSNorm of each `group_size` slice of x [..., groups * g] on its own, with its own slice of weight
+    [groups * g] (the hyper-connection streams)."""
+    g = group_size
+    return rms_norm(x.unflatten(-1, (-1, g)), weight.view(-1, g), eps, zero_centered).flatten(-2)
+
+
+def inject_rms_norm(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(streams + out scaled per stream, its grouped RMSNorm): streams [T, hc * H], a block's output out [T, H]
+    added to stream s at weights[:, s] ([T, hc]); norm_weight [hc * H] (one H-slice per stream)."""
+    streams = streams + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+    return streams, grouped_rms_norm(streams, norm_weight, eps, zero_centered, out.shape[-1])
+
+
+def hyper_mix(normed: torch.Tensor, projected: torch.Tensor, up_weight: torch.Tensor,
+              streams: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A hyper-connection's mix of its normed streams [T, hc * H] into the block input [T, H], given their
+    low-rank projection (and injection logits) projected [T, lowrank (+ hc)] and up_weight [hc * H, lowrank];
+    returns (block input, injection weights [T, hc], or None when projected holds no injection logits)."""
+    lowrank = up_weight.shape[1]
+    low = F.silu(projected[:, :lowrank] / streams)
+    gates = torch.sigmoid(linear(low, up_weight, None)).unflatten(-1, (streams, -1))  # [T, hc, H]
+    mixed = (gates * normed.unflatten(-1, (streams, -1))).mean(dim=-2)
+    if projected.shape[-1] == lowrank:
+        return mixed, None
+    return mixed, 2 * torch.sigmoid(projected[:, lowrank:] / streams)

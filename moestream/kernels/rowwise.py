@@ -11,23 +11,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return _rms_norm(x, None, weight, eps, zero_centered)[1]
 
 
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+                     group_size: int) -> torch.Tensor:
+    """reference.grouped_rms_norm in one launch: a program per `group_size` slice of x."""
+    return _rms_norm(x, None, weight, eps, zero_centered, group_size)[1]
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, its RMSNorm) from one launch."""
     return _rms_norm(x, residual.contiguous(), weight, eps, zero_centered)
 
 
-def _rms_norm(x, residual, weight, eps, zero_centered) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm(x, residual, weight, eps, zero_centered, group_size=None) -> tuple[torch.Tensor, torch.Tensor]:
     from moestream.kernels.triton.rowwise import rms_norm_kernel
 
-    d = x.shape[-1]
+    d = group_size or x.shape[-1]
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)
     total = x if residual is None else torch.empty_like(x)
     rms_norm_kernel[(x.numel() // d,)](x, x if residual is None else residual, total, weight, out, eps, D=d,
                                       BLOCK=triton.next_power_of_2(d), ZERO_CENTERED=zero_centered,
-                                      ADD=residual is not None, num_warps=4 if d >= 1024 else 1)
+                                      ADD=residual is not None, GROUPS=weight.numel() // d,
+                                      num_warps=4 if d >= 1024 else 1)
     return total, out
 
 

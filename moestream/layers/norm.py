@@ -1,5 +1,6 @@
 """RMSNorm variants: plain `w * norm(x)`, zero-centred `(1 + w) * norm(x)`, grouped (each `group_size`
-slice of the last dim normalised on its own: the hyper-connection streams of qwen4_exp), and gated."""
+slice of the last dim normalised on its own: the hyper-connection streams of qwen4_exp, which a block's output
+is injected into in the norm's launch), and gated."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 
 from moestream.kernels import ops
-from moestream.kernels.reference import gated_rms_norm, rms_norm
+from moestream.kernels.reference import gated_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -19,8 +20,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None:  # one kernel on the GPU (decode runs four per layer)
             return ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
-        g = self.group_size  # each group on its own
-        return rms_norm(x.unflatten(-1, (-1, g)), self.weight.view(-1, g), self.eps, self.zero_centered).flatten(-2)
+        return ops.grouped_rms_norm(x, self.weight, self.eps, self.zero_centered, self.group_size)
 
     def after(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm) in one launch on the GPU; (x, norm(x)) when there is no residual."""
@@ -28,6 +28,14 @@ class RMSNorm(nn.Module):
             x = x if residual is None else x + residual
             return x, self(x)
         return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+
+    def after_inject(self, streams: torch.Tensor, out: torch.Tensor | None, weights: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grouped: (streams [T, groups * g] + out [T, g] added to group s at weights[:, s] ([T, groups]), its norm)
+        in one launch on the GPU; (streams, norm(streams)) when there is no out."""
+        if out is None:
+            return streams, self(streams)
+        return ops.inject_rms_norm(streams, out, weights, self.weight, self.eps, self.zero_centered)
 
 
 class GatedRMSNorm(nn.Module):

@@ -3,7 +3,8 @@
 For each token, every n-gram ending at it (orders 2..ngram_size) is hashed `heads_per_ngram` ways into
 one shared table; the looked-up rows, concatenated, are projected to a value and to one key per stream.
 The normalised streams gate the value (a signed-sqrt dot-product gate), and a dilated causal depthwise
-conv over the gated values adds local context. Returns [T, hc * H], added to the streams.
+conv over the gated values adds local context. The result [T, hc * H] is added to the streams: the forward
+takes them with the previous block's injection still pending and returns the sum.
 
 An n-gram never reaches across an EOS token: positions before the segment start read as EOS, and so
 does everything before the first token. The table rows come through `table` (an `NgramTable` the loader
@@ -148,18 +149,20 @@ class PLE(nn.Module):
                              device=device)
         return PLEState(context, torch.zeros(self.history, self.streams * self.hidden, dtype=dtype, device=device))
 
-    def forward(self, streams: torch.Tensor, ids: torch.Tensor, state: PLEState, static: bool = False
-                ) -> torch.Tensor:
-        """streams [T, hc * H], ids [T] -> the PLE update [T, hc * H]; advances `state`."""
+    def forward(self, residual: tuple, ids: torch.Tensor, state: PLEState, static: bool = False) -> torch.Tensor:
+        """residual (streams [T, hc * H], a block's output [T, H] pending at its weights [T, hc], or None, None), ids
+        [T] -> the streams with that injection (done in the query norm's launch) and the PLE update added; advances
+        `state`."""
+        streams, queries = self.norm_query.after_inject(*residual)
         embedded = self.ple_embedding(ids, state.context, streams.dtype, static)  # [T, ple_embed_dim]
         state.context.copy_(torch.cat([state.context, ids])[ids.shape[0]:])
         keys, values = self.from_rows.parts(embedded)
         keys = self.norm_key(keys).unflatten(-1, (self.streams, self.hidden))
-        queries = self.norm_query(streams).unflatten(-1, (self.streams, self.hidden))
+        queries = queries.unflatten(-1, (self.streams, self.hidden))
         gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * values.unsqueeze(-2)).flatten(-2)  # [T, hc * H]
-        return gated + self._conv(self.norm_conv(gated), state)
+        return streams + (gated + self._conv(self.norm_conv(gated), state))
 
     def _conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
         """Dilated causal depthwise conv + SiLU over x [T, C], continuing from the state's history."""

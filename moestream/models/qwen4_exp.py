@@ -8,7 +8,8 @@
 
 Every norm is zero-centred `(1 + w)` except the DeltaNet output norm, whose gate is `output_gate_type`.
 A PLE layer's state is a `PLELayerState` (mixer state + PLE state); other layers keep their mixer's. The
-per-layer loop is `CausalLM.forward`'s; the backbone carries the streams.
+per-layer loop is `CausalLM.forward`'s; the backbone carries the streams with the last block's output and
+its injection weights pending, which the next stream norm (hyper-connection, PLE or final mixer) injects.
 """
 
 from __future__ import annotations
@@ -75,16 +76,17 @@ class HyperDecoderLayer(nn.Module):
             return state
         return PLELayerState(state, self.ple.new_state(dtype, device), self.ple.ple_embedding.eos)
 
-    def forward(self, streams: torch.Tensor, ids: torch.Tensor, rope, state, ctx: StepContext) -> torch.Tensor:
-        """streams [T, hc * H], ids [T] -> streams [T, hc * H]."""
+    def forward(self, residual: tuple, ids: torch.Tensor, rope, state, ctx: StepContext) -> tuple:
+        """residual (streams [T, hc * H], the last block's output [T, H] and its injection weights [T, hc] not yet
+        injected, or None, None), ids [T] -> the same after this layer; each injection runs in the launch of the
+        stream norm after it."""
         if self.ple is not None:
-            streams = streams + self.ple(streams, ids, state.ple, ctx.static)
+            residual = self.ple(residual, ids, state.ple, ctx.static), None, None
             state = state.mixer
-        x, weights = self.attn_hyper_connection(streams)
+        streams, x, weights = self.attn_hyper_connection(*residual)
         out = self.linear_attn(x, state) if self.kind == "linear_attention" else self.self_attn(x, rope, state, ctx)
-        streams = HyperConnection.inject(streams, out, weights)
-        x, weights = self.mlp_hyper_connection(streams)
-        return HyperConnection.inject(streams, self.mlp(x, ctx), weights)
+        streams, x, weights = self.mlp_hyper_connection(streams, out, weights)
+        return streams, self.mlp(x, ctx), weights
 
 
 class HyperBackbone(nn.Module):
@@ -96,11 +98,11 @@ class HyperBackbone(nn.Module):
         self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
         self.streams = cfg.hc_count
 
-    def begin(self, x: torch.Tensor) -> torch.Tensor:
-        return x.repeat(1, self.streams)  # every stream starts as the embedding
+    def begin(self, x: torch.Tensor) -> tuple:
+        return x.repeat(1, self.streams), None, None  # every stream starts as the embedding
 
-    def end(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.hyper_connection_mixer(streams)[0]
+    def end(self, residual: tuple) -> torch.Tensor:
+        return self.hyper_connection_mixer(*residual)[1]
 
 
 class Model(CausalLM):

@@ -140,3 +140,44 @@ def test_config_fields(tiny):
     assert cfg.ple_layer_ids == (0,) and cfg.layer_types[3] == "indexed_attention"
     assert cfg.output_gate_type == "silu"  # unset: falls back to hidden_act, as transformers does
     assert not ModelConfig.from_hf({**base_config(tiny), "norm_topk_prob": False}).norm_topk_prob
+
+
+@pytest.mark.gpu
+@pytest.mark.interpretable
+def test_triton_hyper_connections_match_the_reference(tiny, monkeypatch):
+    """Prefill, then greedy decode steps, with the hyper-connection ops (grouped norms, injection + norm, the mix)
+    on Triton and every other op on the reference: the same tokens and logits as all-reference. hc 4 with PLE on
+    layers after the first, so a pending injection also lands in a PLE query norm. CUDA, or CPU under
+    TRITON_INTERPRET=1 (fp32 there)."""
+    pytest.importorskip("triton")
+    from moestream.kernels import ops
+
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    llm = LLM(tiny.store("qwen4_exp", **VARIANTS["hc4-gqa8"]), device=device, dtype="float32", experts=16)
+    monkeypatch.setattr(ops, "KERNELS", "reference")
+
+    def on_triton(op):
+        def call(*args):
+            ops.KERNELS = "triton"
+            try:
+                return op(*args)
+            finally:
+                ops.KERNELS = "reference"
+        return call
+
+    @torch.inference_mode()
+    def greedy(steps: int = 4):
+        state, tokens, logits = llm.model.new_state(llm.dtype, llm.device), [], []
+        last = llm.model.logits(llm.model(prompt(40, seed=5).to(llm.device), state))[-1]
+        for _ in range(steps):
+            tokens.append(int(last.argmax()))
+            last = llm.model.logits(llm.model(torch.tensor(tokens[-1:], device=llm.device), state))[0]
+            logits.append(last)
+        return tokens, torch.stack(logits)
+
+    want_tokens, want = greedy()
+    for name in ("grouped_rms_norm", "inject_rms_norm", "hyper_mix"):
+        monkeypatch.setattr(ops, name, on_triton(getattr(ops, name)))
+    tokens, got = greedy()
+    assert tokens == want_tokens
+    assert_logits_close(got, want, rel=1e-5)

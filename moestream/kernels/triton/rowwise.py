@@ -18,8 +18,9 @@ def _normed(x, inv_rms, w, dt, ZERO_CENTERED: tl.constexpr):
 
 @triton.jit
 def rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr,
-                    ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr):
-    """out[r] = w * norm(x[r]), or (1 + w) * norm(x[r]) with ZERO_CENTERED. With ADD the row is first
+                    ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr, GROUPS: tl.constexpr):
+    """out[r] = w * norm(x[r]), or (1 + w) * norm(x[r]) with ZERO_CENTERED; w is slice r % GROUPS of the weight
+    [GROUPS * D] (grouped norms: row r of the [T * GROUPS, D] view). With ADD the row is first
     x[r] + res[r], rounded to x's dtype and stored to sum[r] (the residual stream, in the same launch)."""
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
@@ -29,7 +30,7 @@ def rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, eps, D: tl.constexp
         x = (x + tl.load(res_ptr + r * D + d, mask=inside, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + r * D + d, x, mask=inside)
         x = x.to(tl.float32)
-    w = tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + (r % GROUPS) * D + d, mask=inside, other=0.0).to(tl.float32)
     y = _normed(x, tl.rsqrt(tl.sum(x * x, axis=0) / D + eps), w, x_ptr.dtype.element_ty, ZERO_CENTERED)
     tl.store(out_ptr + r * D + d, y.to(out_ptr.dtype.element_ty), mask=inside)
 
