@@ -35,7 +35,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     t, k = x.shape
     n = weight.shape[0]
-    assert x.stride(1) == 1 and (up is None or up.stride() == x.stride())
+    if x.stride(1) != 1 or (up is not None and up.stride() != x.stride()):  # rows the kernel cannot stride over
+        x, up = x.contiguous(), None if up is None else up.contiguous()
     bn, splits = plan(n, k)
     span = -(-k // (splits * 64)) * 64  # whole 128-byte lines a split
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
