@@ -79,9 +79,11 @@ def test_inject_rms_norm_matches_reference(tokens, hc, h, zero_centered, dtype):
     w = norm_weight(hc, h, zero_centered, gen, dtype)
     got_streams, got = hyper.inject_rms_norm(streams, out, weights, w, 1e-6, zero_centered)
     want_streams, want = reference.inject_rms_norm(streams, out, weights, w, 1e-6, zero_centered)
-    if INTERPRET:  # the same two roundings as torch; on the H200 one element in ~50 moves by an ulp (unexplained)
+    if INTERPRET:  # the same two roundings as torch
         assert torch.equal(got_streams, want_streams)
-    torch.testing.assert_close(got_streams, want_streams)
+    # on the H200 ~2% of bf16 elements move by an ulp of the operands (where the sum cancels, more than its own)
+    ulp = torch.finfo(dtype).eps * streams.abs().amax().item()
+    torch.testing.assert_close(got_streams, want_streams, atol=ulp, rtol=torch.finfo(dtype).eps)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want)
 
