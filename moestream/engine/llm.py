@@ -63,10 +63,9 @@ class LLM:
             cfg = dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, pool_gb=self.gpu_plan.pool / 1e9))
             self.engine_config = cfg
         self.provider = ExpertProvider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok)
-        blocks = self.model.moe_blocks()
-        for block in blocks:
+        for block in self.model.moe_blocks(mtp=True):
             block.provider = self.provider
-        self.provider.attach({b.layer_slot: b.gate.weight for b in blocks})
+        self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})
         self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype)
         self._tokenizer = None
         if cfg.preload if cfg.preload is not None else cuda:

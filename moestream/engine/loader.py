@@ -13,8 +13,7 @@ from moestream.experts.ngram import NgramTable
 from moestream.experts.store import Store
 from moestream.layers.ple import NgramEmbedding
 from moestream.models import model_class
-
-IGNORED_PREFIXES = ("mtp.",)  # kept in the store for speculative decoding; not used by the trunk
+from moestream.models.mtp import MTPHead
 
 
 def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tier: str = "auto",
@@ -23,9 +22,13 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tie
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     tensors = load_file(store.dense_path, device=str(device))
+    mtp = model.mtp_layout and cfg.mtp_num_hidden_layers == 1 and "mtp.fc.weight" in tensors
+    if mtp:
+        with torch.device("meta"):
+            model.mtp = MTPHead(cfg, model.spec)
     state = {}
     for name, t in tensors.items():
-        if name.startswith(IGNORED_PREFIXES):
+        if name.startswith("mtp.") and not mtp:  # a head this engine does not draft with stays in the store
             continue
         state[name] = t.to(dtype) if t.is_floating_point() else t
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:

@@ -75,9 +75,9 @@ class SequenceState:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: ModelSpec, index: int, layer_slot: int | None):
+    def __init__(self, cfg: ModelConfig, spec: ModelSpec, index: int, layer_slot: int | None, kind: str | None = None):
         super().__init__()
-        self.kind = cfg.layer_types[index]
+        self.kind = kind or cfg.layer_types[index]
         if self.kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, spec.fused_qkvz, spec.deltanet_gate)
         else:
@@ -127,6 +127,7 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     spec = ModelSpec()
     backbone_class = Backbone
+    mtp_layout = True  # an `mtp.*` head in Qwen3-Next's layout fits this model (models/mtp.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -144,8 +145,10 @@ class CausalLM(nn.Module):
         for module in self._stagers:
             module.stage_step(tokens, token)
 
-    def moe_blocks(self) -> list[SparseMoE]:
-        return [m for m in self.modules() if isinstance(m, SparseMoE)]
+    def moe_blocks(self, mtp: bool = False) -> list[SparseMoE]:
+        """The trunk's MoE blocks in layer order (the decode step's), then the MTP head's with `mtp`."""
+        heads = (self.mtp,) if mtp and hasattr(self, "mtp") else ()
+        return [m for part in (self.model, *heads) for m in part.modules() if isinstance(m, SparseMoE)]
 
     def new_state(self, dtype: torch.dtype, device: torch.device) -> SequenceState:
         return SequenceState([layer.new_state(dtype, device) for layer in self.model.layers])
@@ -164,6 +167,18 @@ class CausalLM(nn.Module):
         if eager:
             state.advance(ids.tolist())
         return self.model.end(residual)
+
+    def draft(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: SequenceState,
+              ctx: StepContext | None = None) -> torch.Tensor:
+        """The MTP head: trunk outputs hidden [T, H] at t and the tokens x[t+1] [T] -> [T, H] for `logits`, the guess
+        at x[t+2]; `state` is the head's own (`mtp.new_state`), stepped as `forward` steps the trunk's."""
+        eager = ctx is None
+        ctx = ctx or StepContext.eager(state.length, next_ids.shape[0], next_ids.device)
+        x = self.model.embed_tokens(next_ids)
+        out = self.mtp(hidden, x, next_ids, self.rotary.cos_sin(ctx.positions, x.dtype), state, ctx)
+        if eager:
+            state.advance(next_ids.tolist())
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -108,3 +108,4 @@ class HyperBackbone(nn.Module):
 class Model(CausalLM):
     spec = ModelSpec(zero_centered_norms=True, attention_output_gate=True, shared_expert=True)
     backbone_class = HyperBackbone
+    mtp_layout = False  # its MTP head (cherenkov.md §1.1) is not built yet; mtp.* stays in the store
