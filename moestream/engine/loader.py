@@ -19,12 +19,11 @@ from moestream.models.mtp import MTPHead
 def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tier: str = "auto",
                host_reserved: float = 0.0) -> torch.nn.Module:
     cfg = store.model
+    tensors = load_file(store.dense_path, device=str(device))
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    tensors = load_file(store.dense_path, device=str(device))
-    mtp = model.mtp_layout and cfg.mtp_num_hidden_layers == 1 and "mtp.fc.weight" in tensors
-    if mtp:
-        with torch.device("meta"):
+        mtp = model.mtp_layout and cfg.mtp_num_hidden_layers == 1 and "mtp.fc.weight" in tensors
+        if mtp:
             model.mtp = MTPHead(cfg, model.spec)
     state = {}
     for name, t in tensors.items():
