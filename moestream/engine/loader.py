@@ -26,7 +26,8 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tie
         if mtp:
             model.mtp = MTPHead(cfg, model.spec)
     state = {}
-    for name, t in tensors.items():
+    for name in list(tensors):  # popped as converted, so a tensor and its converted copy are not both kept
+        t = tensors.pop(name)
         if name.startswith("mtp.") and not mtp:  # a head this engine does not draft with stays in the store
             continue
         state[name] = t.to(dtype) if t.is_floating_point() else t
@@ -42,6 +43,7 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tie
         raise StoreError(f"{store.path}: tensor {wrong[0]} is {list(state[wrong[0]].shape)}, the config makes it "
                          f"{list(expected[wrong[0]].shape)} (the manifest's config and dense.safetensors disagree)")
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # the model's parameters only: fusing a module's projections then frees their unfused copies
     for module in model.modules():  # non-persistent buffers were built on the meta device
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)

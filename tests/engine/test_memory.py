@@ -1,11 +1,15 @@
 """A whole-GPU budget split into parts, the pool getting what is left; budgets that cannot hold a step refused."""
 
 import pytest
+import torch
 
 from moestream.config import EngineConfig
 from moestream.engine.llm import LLM
-from moestream.engine.memory import activation_bytes, state_bytes
+from moestream.engine.loader import load_model
+from moestream.engine.memory import activation_bytes, dense_bytes, state_bytes
 from moestream.errors import BudgetError, ConfigError
+from moestream.experts.store import open_store
+from moestream.layers.linear import Projections
 
 
 def test_the_pool_gets_what_the_other_parts_leave(tiny):
@@ -47,3 +51,16 @@ def test_gpu_the_load_stays_within_its_budget(tiny):
         assert memory["decode_state"] == llm.gpu_plan.state
     finally:
         llm.close()
+
+
+@pytest.mark.gpu
+def test_gpu_the_load_keeps_one_copy_of_the_weights(tiny):
+    """Fusing projections at load frees their unfused copies as it goes (holding them all until the load's end
+    once peaked 4.7 GB above the flagship's plan)."""
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model = load_model(open_store(tiny.store("qwen4_exp")), torch.device("cuda"), torch.bfloat16)
+    groups = [p.weight for m in model.modules() for p in vars(m).values() if isinstance(p, Projections)]
+    assert groups
+    largest = max(g.numel() * g.element_size() for g in groups)
+    assert torch.cuda.max_memory_allocated() - before <= dense_bytes(model) + largest
