@@ -24,6 +24,7 @@ class Projections:
         self.sizes = [p.out_features for p in linears]
         self.weight = self.bias = None
 
+    @torch.no_grad()  # with autograd on, the fused weight's graph would hold the unfused copies for good
     def fuse(self) -> None:
         """One weight (and bias) whose row slices become the linears' own parameters."""
         with_bias = self.linears[0].bias is not None
