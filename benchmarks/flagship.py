@@ -94,8 +94,10 @@ def stage_run(args, state: dict) -> None:
             print(f"{name}: {e}")
             continue
         try:
-            base = {"model": STORE, "engine": "moestream", "row": name, "meaning": meaning, "routing": routing,
-                    "pool": 0.0, "host_tier": host, "memory": llm.stats()["memory"]}
+            state.get("refused", {}).pop(name, None)
+            base = {"model": STORE, "engine": "moestream", "row": name, "commit": state["machine"]["commit"],
+                    "meaning": meaning, "routing": routing, "pool": 0.0, "host_tier": host,
+                    "memory": llm.stats()["memory"]}
             runs = _measure(llm, base, per_token, dense, SCENARIOS)
             stats = llm.stats()
             used = [per for per in stats["layers"] if any(c["lookups"] for c in per.values())]  # not the MTP layer
@@ -160,6 +162,7 @@ def main() -> None:
     saved = args.state or os.path.join(args.out, "flagship.json")  # rows add to what the folder holds
     state = json.load(open(saved)) if os.path.isfile(saved) else {"machine": machine(), "runs": []}
     if args.stage == "run":
+        state["machine"] = machine()  # each row keeps the commit it was measured at
         stage_run(args, state)
     _save(args.out, state)
     print("\n".join(report(state)))
