@@ -78,17 +78,29 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, previous: list[int]) -> int:
         """logits [vocab] float32 -> the next token id; `previous` (the tokens so far) matters only to the
         penalties."""
+        probs = self.distribution(logits, previous)
+        if probs is None:
+            return int(torch.argmax(self.penalised(logits, previous)))
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def penalised(self, logits: torch.Tensor, previous: list[int]) -> torch.Tensor:
         p = self.p
-        if previous and self.needs_history:
-            logits = logits.clone()
-            ids, counts = torch.unique(torch.tensor(previous, device=logits.device), return_counts=True)
-            seen = logits[ids]
-            if p.repetition_penalty != 1.0:
-                seen = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-            logits[ids] = seen - p.presence_penalty - p.frequency_penalty * counts.to(logits.dtype)
+        if not previous or not self.needs_history:
+            return logits
+        logits = logits.clone()
+        ids, counts = torch.unique(torch.tensor(previous, device=logits.device), return_counts=True)
+        seen = logits[ids]
+        if p.repetition_penalty != 1.0:
+            seen = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        logits[ids] = seen - p.presence_penalty - p.frequency_penalty * counts.to(logits.dtype)
+        return logits
+
+    def distribution(self, logits: torch.Tensor, previous: list[int]) -> torch.Tensor | None:
+        """What the next token is drawn from [vocab] (speculative sampling accepts against it); None when greedy."""
+        p = self.p
         if p.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
+            return None
+        logits = self.penalised(logits, previous) / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -97,5 +109,4 @@ class Sampler:
             probs = torch.softmax(sorted_logits, -1)
             drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
             logits[order[drop]] = float("-inf")
-        probs = torch.softmax(logits, -1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.softmax(logits, -1)

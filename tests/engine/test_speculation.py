@@ -1,0 +1,91 @@
+"""Speculative decoding's acceptance keeps greedy tokens and the sampler's distribution; adaptive depth turns
+drafts off when they stop paying and back on when they pay."""
+
+import pytest
+import torch
+
+from moestream.engine.speculation import Depth, SpecStats, accept
+from moestream.sampling import Sampler, SamplingParams
+
+
+def logits_for(*rows):
+    return torch.tensor(rows, dtype=torch.float32).log()
+
+
+def test_greedy_keeps_drafts_while_they_are_the_argmax_then_takes_the_argmax():
+    sampler = Sampler(SamplingParams(), torch.device("cpu"))
+    logits = logits_for([0.1, 0.7, 0.2], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6])
+    assert accept(sampler, logits, [1, 0], []) == [1, 0, 2]  # both kept, then the last row's token
+    assert accept(sampler, logits, [1, 2], []) == [1, 0]  # the second draft is not row 1's argmax
+    assert accept(sampler, logits[:1], [], []) == [1]  # no drafts: a plain step
+
+
+def test_greedy_acceptance_sees_the_penalties_of_the_drafts_it_kept():
+    sampler = Sampler(SamplingParams(repetition_penalty=10.0), torch.device("cpu"))
+    logits = logits_for([0.1, 0.8, 0.1], [0.1, 0.5, 0.4])
+    # without the kept draft 1 in its history, row 1's argmax would be 1 again
+    assert accept(sampler, logits, [1], []) == [1, 2]
+
+
+TARGETS = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.1, 0.3, 0.5], [0.25, 0.25, 0.25, 0.25]])
+
+
+@pytest.mark.parametrize("draft", ["distribution", "point mass"])
+def test_sampled_tokens_follow_the_target_distribution(draft):
+    """Two draft positions: the first token's distribution and the second's given the first are the target's
+    (the sampler's own: temperature 1), whether the draft came with a distribution (MTP) or without (lookup)."""
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0), torch.device("cpu"))
+    draft_dist = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    generator = torch.Generator().manual_seed(1)
+    trials, first, second = 20000, torch.zeros(4), torch.zeros(4)
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(draft_dist[i], 1, generator=generator)) for i in range(2)]
+        if draft == "point mass":
+            drafts[0] = 1
+        # the target's rows do not depend on the drafts here, so the second row holds whatever the first kept
+        out = accept(sampler, TARGETS.log(), drafts, [], draft_dist if draft == "distribution" else None)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    assert torch.allclose(first / trials, TARGETS[0], atol=0.015)
+    assert torch.allclose(second / second.sum(), TARGETS[1], atol=0.015)
+
+
+def test_acceptance_honours_top_k():
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0), torch.device("cpu"))
+    for _ in range(50):
+        assert accept(sampler, TARGETS[:2].log(), [1], [])[0] == 0  # top-k 1: the draft is never drawable
+
+
+def test_depth_falls_to_zero_when_every_draft_is_rejected_and_probes():
+    depth = Depth(max_drafts=4, probe=8)
+    depth.update(0, 0, 1.0)
+    for _ in range(40):
+        k = depth.next()
+        depth.update(k, 0, 1.0 + 0.1 * k)
+    assert depth.next() == 0
+    chosen = []
+    for _ in range(20):
+        k = depth.next()
+        chosen.append(k)
+        depth.update(k, 0, 1.0 + 0.1 * k)
+    assert 0 < chosen.count(1) <= 3 and set(chosen) <= {0, 1}  # a cheap probe now and then
+
+
+def test_depth_grows_when_drafts_are_kept_and_cheap():
+    depth = Depth(max_drafts=4)
+    depth.update(0, 0, 1.0)
+    for _ in range(30):
+        k = depth.next()
+        depth.update(k, k, 1.0 + 0.05 * k)
+    assert depth.next() == 4
+    assert Depth(max_drafts=4, fixed=2).next() == 2
+
+
+def test_stats_count_per_draft_position():
+    stats = SpecStats()
+    stats.record(3, 1, 0.01)
+    stats.record(2, 2, 0.02)
+    out = stats.as_dict()
+    assert out["proposed"] == [2, 2, 1] and out["accepted"] == [2, 1, 0]
+    assert out["tokens_per_step"] == (2 + 3) / 2 and set(out["step_ms"]) == {2, 3}
