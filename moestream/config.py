@@ -352,6 +352,8 @@ def _indexer_fields(cfg: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, An
 PRECISIONS = {"q4": 4, "q3": 3, "q2": 2, "bf16": 16}
 DECODE_MODES = ("graph", "eager", "handshake")
 NGRAM_TIERS = ("auto", "host", "disk")
+SPECULATION = ("off", "lookup", "mtp")
+MAX_DRAFTS = 4
 
 
 def _check(ok: bool, message: str) -> None:
@@ -417,6 +419,10 @@ class EngineConfig:
     # PLE n-gram tables: "host" (read whole into pinned memory; decode graphs read rows in place), "disk" (rows
     # read per token; decode eager), "auto" (host when the machine has the memory free beyond the host tier)
     ngram_tier: str = "auto"
+    # speculative decoding: drafts from "lookup" (n-grams of the prompt and output) or "mtp" (the checkpoint's MTP
+    # head), verified k+1 rows a step; `drafts` fixes k (0..MAX_DRAFTS), None chooses it per step
+    speculation: str = "off"
+    drafts: int | None = None
 
     def __post_init__(self):
         _check(self.device in (None, "cuda", "cpu"), f"device {self.device!r}: choose cuda or cpu")
@@ -427,6 +433,17 @@ class EngineConfig:
         _check(_finite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0, "prefix_cache_mb must be a number >= 0")
         _check(_finite(self.gpu_gb) and (self.gpu_gb is None or self.gpu_gb > 0), "--gpu-gb must be a number > 0")
         _check(self.ngram_tier in NGRAM_TIERS, f"ngram_tier {self.ngram_tier!r}: choose {', '.join(NGRAM_TIERS)}")
+        _check(self.speculation in SPECULATION,
+               f"speculation {self.speculation!r}: choose {', '.join(SPECULATION)}")
+        _check(self.drafts is None or (isinstance(self.drafts, int) and 0 <= self.drafts <= MAX_DRAFTS),
+               f"--drafts {self.drafts!r}: choose 0..{MAX_DRAFTS}")
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts a verify step checks (0: no speculation)."""
+        if self.speculation == "off":
+            return 0
+        return MAX_DRAFTS if self.drafts is None else self.drafts
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """This config with fields replaced by name; ExpertConfig's fields may be named directly, and `experts` /

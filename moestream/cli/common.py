@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moestream.config import DECODE_MODES, EngineConfig
+from moestream.config import DECODE_MODES, MAX_DRAFTS, SPECULATION, EngineConfig
 
 DEFAULTS = EngineConfig()
 
@@ -44,11 +44,17 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
     p.add_argument("--decode-mode", choices=DECODE_MODES,
                    help=f"decode steps: captured CUDA graphs, the same step eager, or routed through the host every "
                         f"layer (default {defaults.decode_mode})")
+    p.add_argument("--spec", choices=SPECULATION, dest="speculation",
+                   help="speculative decoding: drafts from prompt lookup or the model's MTP head, verified in one "
+                        f"step, the same greedy tokens (default {defaults.speculation})")
+    p.add_argument("--drafts", type=int, choices=range(MAX_DRAFTS + 1), metavar=f"0..{MAX_DRAFTS}",
+                   help=f"drafts a verify step checks (default: chosen each step from the acceptance, up to "
+                        f"{MAX_DRAFTS})")
 
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",
                "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "prefill_chunk",
-               "prefix_cache_mb", "decode_mode")
+               "prefix_cache_mb", "decode_mode", "speculation", "drafts")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

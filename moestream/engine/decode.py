@@ -1,4 +1,4 @@
-"""Decode steps: one token through the model's own forward.
+"""Decode steps: one token (or a verify step's few) through the model's own forward.
 
 On CUDA a step has static shapes: attention over a cache reserved to `max_context` rows masked by a device-side
 position, recurrent states updated in place, experts one tile per routing entry, host work it needs (a PLE table's
@@ -6,10 +6,14 @@ rows on disk) staged before it. When every expert record is addressable without 
 pool, or the rest read in place from the pinned host tier) the step is a CUDA graph of that forward, captured once
 (at load) over the decoder's own sequence state, which every new sequence reuses; otherwise the step runs eagerly,
 routing each layer through the host. Both give the same bits, so the output does not depend on what was resident.
-On the CPU a step is the plain eager forward.
+A verify step (speculative decoding) is the same static step over k+1 rows, one graph per row count, whose rows
+have the bits of single steps; the caller keeps a prefix of them (`SequenceState.accept`). On the CPU a step is
+the plain eager forward, or the static one where verify steps are wanted.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,23 +23,38 @@ from moestream.layers.context import StepContext
 from moestream.models.base import CausalLM, SequenceState
 
 
+@dataclass
+class StepInputs:
+    """A static step's device inputs for `rows` token rows: what a captured graph reads and writes."""
+
+    tokens: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]: the decoder's start position plus 0..rows-1
+    offsets: torch.Tensor  # [rows]
+    routed: torch.Tensor  # [moe layers, rows * top_k] the routers' expert ids
+
+
 class Decoder:
     def __init__(self, model: CausalLM, provider: ExpertProvider, cfg: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, static: bool | None = None):
-        """`static`: whether steps have static shapes (default: on CUDA, when the model is graph-safe; the CPU
-        tests ask for them to run the GPU's step with the reference kernels)."""
+                 dtype: torch.dtype, static: bool | None = None, max_rows: int = 1):
+        """`static`: whether steps have static shapes (default: on CUDA, when the model is graph-safe, or where
+        verify steps are wanted; the CPU tests ask for them to run the GPU's step with the reference kernels).
+        `max_rows`: the most rows a verify step has (1 + drafts)."""
         self.model, self.provider, self.mode, self.max_context = model, provider, cfg.decode_mode, cfg.max_context
-        self.device, self.dtype = device, dtype
-        self.static = device.type == "cuda" if static is None else static
-        self.token = torch.zeros(1, dtype=torch.long, device=device)
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
-        self.routed = torch.zeros(len(model.moe_blocks()), model.config.num_experts_per_tok, dtype=torch.long,
-                                  device=device)
-        self.graph, self.logits, self.graph_replays = None, None, 0
-        self.graph_capacity = None  # the state's capacity when the graph was captured
-        self.state = None  # the static steps' own state, which the graph reads and writes
+        self.device, self.dtype, self.max_rows = device, dtype, max_rows
+        self.static = (device.type == "cuda" or max_rows > 1) if static is None else static
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # the first row's
+        self.inputs: dict[int, StepInputs] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # rows -> its graph
+        self.graph_replays = 0
+        self.graph_capacity = None  # the state's capacity when the graphs were captured
+        self.state = None  # the static steps' own state, which the graphs read and write
         if self.static:
             self.state = self._static_state()
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The one-row step's graph."""
+        return self.graphs[1][0] if 1 in self.graphs else None
 
     def new_state(self) -> SequenceState:
         """A state for a new sequence: with static steps the decoder's own (reset), so one captured graph serves
@@ -44,66 +63,99 @@ class Decoder:
         if not self.static:
             return self.model.new_state(self.dtype, self.device)
         if self.state.capacity != self.capacity:
-            self.state, self.graph = self._static_state(), None
+            self.state, self.graphs = self._static_state(), {}
         self.state.reset()
         return self.state
 
-    @torch.inference_mode()
     def step(self, token: int, state: SequenceState) -> torch.Tensor:
         """Feed one token; returns the next logits [vocab] (float32)."""
         if not self.static:
-            return self.model.logits(self.model(torch.tensor([token], device=self.device), state))[0]
+            with torch.inference_mode():
+                return self.model.logits(self.model(torch.tensor([token], device=self.device), state))[0]
+        logits = self.forward([token], state)[1]
+        state.advance([token])
+        return logits[0]
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], state: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
+        """A static step of `tokens` after the state's (a verify step when there are several); returns their final
+        hidden states [T, H] and logits [T, vocab] (float32). The caller advances the state (`state.advance`,
+        or `state.accept` after a verify step)."""
+        rows = len(tokens)
+        assert self.static and rows <= self.max_rows
         if state.capacity < self.max_context:  # another state (tests): attended over as the decoder's own
             state.reserve(self.max_context)
-        if state.length >= state.capacity:
-            state.reserve(2 * state.capacity)
+        if state.length + rows > state.capacity:
+            state.reserve(2 * max(state.capacity, state.length + rows))
         if state is self.state and state.capacity != self.graph_capacity:
-            self.graph = None  # its buffers moved: a step grew them, or a prompt past max_context did
-        self.model.stage_step(state.tokens, token)
-        self.token.fill_(token)
+            self.graphs = {}  # their buffers moved: a step grew them, or a prompt past max_context did
+        inputs = self._inputs(rows)
+        if rows == 1:
+            self.model.stage_step(state.tokens, tokens[0])
+            inputs.tokens.fill_(tokens[0])
+        else:
+            inputs.tokens.copy_(torch.tensor(tokens))
         self.position.fill_(state.length)
         addresses = self.provider.address_table() if self.mode != "handshake" else None
-        if addresses is not None and self.graph is not None and state is self.state:
-            self.graph.replay()
+        if addresses is not None and rows in self.graphs and state is self.state:
+            graph, hidden, logits = self.graphs[rows]
+            graph.replay()
             self.graph_replays += 1
-            logits = self.logits
         else:
-            logits = self._run(state, addresses)
+            hidden, logits = self._run(rows, state, addresses)
             if addresses is not None and self.mode == "graph" and state is self.state:
-                self._capture(addresses)  # after one eager run: compiled, allocated
+                self._capture(rows, addresses)  # after one eager run: compiled, allocated
         if addresses is not None:  # the provider saw none of this step's lookups
-            self.provider.note_addressed(self.routed)
-        state.advance([token])
-        return logits[0].clone()  # a replay overwrites the graph's output buffer
+            for row in inputs.routed.view(inputs.routed.shape[0], rows, -1).unbind(1):
+                self.provider.note_addressed(row)
+        return hidden.clone(), logits.clone()  # a replay overwrites the graph's output buffers
 
     def warm(self) -> None:
-        """Run the static step once (kernels compiled) and capture the graph now, when the records are addressable,
-        so that no request pays for either; the state is reset by the next `new_state`."""
+        """Run the static steps of every row count once (kernels compiled) and capture their graphs now, when the
+        records are addressable, so that no request pays for either; the state is reset by the next `new_state`."""
         if not self.static:
             return
         with torch.inference_mode():
             self.position.fill_(0)
-            self._run(self.state, None, scratch=True)
-            addresses = self.provider.address_table() if self.mode == "graph" else None
-            if addresses is not None:
-                self._run(self.state, addresses)
-                self._capture(addresses)
-                self.graph.replay()  # the first replay uploads the graph
+            for rows in range(1, self.max_rows + 1):
+                self._run(rows, self.state, None, scratch=True)
+                addresses = self.provider.address_table() if self.mode == "graph" else None
+                if addresses is not None:
+                    self._run(rows, self.state, addresses)
+                    self._capture(rows, addresses)
+                    self.graphs[rows][0].replay()  # the first replay uploads the graph
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _run(self, state: SequenceState, addresses: torch.Tensor | None, scratch: bool = False) -> torch.Tensor:
-        experts = ExpertStep(addresses, self.routed if addresses is not None else None, scratch=scratch)
-        ctx = StepContext(self.position, static=True, experts=experts)
-        return self.model.logits(self.model(self.token, state, ctx))
+    def _inputs(self, rows: int) -> StepInputs:
+        if rows not in self.inputs:
+            offsets = torch.arange(rows, device=self.device)
+            routed = torch.zeros(len(self.model.moe_blocks()), rows * self.model.config.num_experts_per_tok,
+                                 dtype=torch.long, device=self.device)
+            positions = self.position if rows == 1 else torch.zeros_like(offsets)
+            self.inputs[rows] = StepInputs(torch.zeros_like(offsets), positions, offsets, routed)
+        return self.inputs[rows]
 
-    def _capture(self, addresses: torch.Tensor) -> None:
-        self.graph, self.graph_capacity = torch.cuda.CUDAGraph(), self.state.capacity
-        with torch.cuda.graph(self.graph):
-            self.logits = self._run(self.state, addresses)
+    def _run(self, rows: int, state: SequenceState, addresses: torch.Tensor | None,
+             scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = self._inputs(rows)
+        if rows > 1:  # inside a captured graph too: the rows' positions follow the device-side start
+            torch.add(self.position, inputs.offsets, out=inputs.positions)
+        experts = ExpertStep(addresses, inputs.routed if addresses is not None else None, scratch=scratch)
+        hidden = self.model(inputs.tokens, state, StepContext(inputs.positions, static=True, experts=experts))
+        return hidden, self.model.logits(hidden)
+
+    def _capture(self, rows: int, addresses: torch.Tensor) -> None:
+        graph = torch.cuda.CUDAGraph()
+        self.graph_capacity = self.state.capacity
+        with torch.cuda.graph(graph):
+            hidden, logits = self._run(rows, self.state, addresses)
+        self.graphs[rows] = graph, hidden, logits
 
     def _static_state(self) -> SequenceState:
         state = self.model.new_state(self.dtype, self.device)
         state.reserve(self.max_context)
+        if self.max_rows > 1:
+            state.reserve_rows(self.max_rows)
         self.capacity = state.capacity
         return state

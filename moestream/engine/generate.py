@@ -1,4 +1,5 @@
-"""The generation loop for one sequence: chunked prefill, then one token per step until a stop."""
+"""The generation loop for one sequence: chunked prefill, then one token per step until a stop, or with
+speculation, a drafted run of them verified in one step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moestream.engine.speculation import Speculator, accept
 from moestream.models.base import CausalLM, SequenceState
 from moestream.sampling import Sampler, SamplingParams
 
@@ -72,10 +74,12 @@ def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, d
 
 @torch.inference_mode()
 def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-        step, logits: torch.Tensor | None = None, on_boundary=None, cancelled=None) -> Iterator[Step]:
+        step, logits: torch.Tensor | None = None, on_boundary=None, cancelled=None, verify=None,
+        speculator: Speculator | None = None) -> Iterator[Step]:
     """Yield generated tokens; `logits` are the prompt's last logits when the caller already prefilled;
     `step(token, state) -> logits` is the decode step (engine/decode.py); `on_boundary(state)` sees the state at
-    each prefill chunk boundary (the prefix cache keeps it)."""
+    each prefill chunk boundary (the prefix cache keeps it). With a `speculator`, a step may feed drafts after the
+    token as well: `verify(tokens, state) -> (hidden, logits [T, vocab])`, of which `accept` keeps a prefix."""
     p, t = seq.params, seq.timings
     sampler = Sampler(p, device)
     start = time.perf_counter()
@@ -88,18 +92,29 @@ def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch
     t.prompt_tokens = len(seq.prompt)
     t.prefill_seconds += time.perf_counter() - start
     start = time.perf_counter()
-    for i in range(p.max_tokens):
-        token = sampler(logits, seq.prompt + seq.generated if sampler.needs_history else [])
-        seq.generated.append(token)
-        t.generated_tokens += 1
-        done = None
-        if token in eos and not p.ignore_eos:
-            done = "stop"
-        elif i == p.max_tokens - 1:
-            done = "length"
-        if done is None:
-            logits = step(token, seq.state)
-        t.decode_seconds = time.perf_counter() - start
-        yield Step(token, done)
-        if done:
-            return
+    history = (lambda: seq.prompt + seq.generated) if sampler.needs_history else (lambda: [])
+    pending = [sampler(logits, history())]
+    while True:
+        for token in pending:
+            seq.generated.append(token)
+            t.generated_tokens += 1
+            done = None
+            if token in eos and not p.ignore_eos:
+                done = "stop"
+            elif len(seq.generated) == p.max_tokens:
+                done = "length"
+            t.decode_seconds = time.perf_counter() - start
+            yield Step(token, done)
+            if done:
+                return
+        last, tic = pending[-1], time.perf_counter()
+        drafts = speculator.propose(seq.generated, p.max_tokens - len(seq.generated) - 1) \
+            if speculator is not None else []
+        if drafts:
+            rows = verify([last, *drafts], seq.state)[1]
+            pending = accept(sampler, rows, drafts, seq.prompt + seq.generated)
+            seq.state.accept([last, *pending[:-1]], len(drafts) + 1)
+        else:
+            pending = [sampler(step(last, seq.state), history())]
+        if speculator is not None:
+            speculator.record(len(drafts), len(pending) - 1, time.perf_counter() - tic)

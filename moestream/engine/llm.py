@@ -23,6 +23,7 @@ from moestream.engine.decode import Decoder
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.memory import activation_bytes, dense_bytes, plan_gpu, state_bytes
 from moestream.engine.prefix_cache import PrefixCache
+from moestream.engine.speculation import Depth, SpecStats, Speculator
 from moestream.engine.stream import RequestOutput, TextStream
 from moestream.errors import BudgetError, ConfigError, MoestreamError, RequestError
 from moestream.experts.provider import ExpertProvider, ExpertStep
@@ -66,7 +67,13 @@ class LLM:
         for block in self.model.moe_blocks(mtp=True):
             block.provider = self.provider
         self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})
-        self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype)
+        self.spec_stats, self.depth = SpecStats(), Depth(cfg.max_drafts, cfg.drafts)
+        if cfg.max_drafts and any(t.host is None for t in ngram_tables(self.model)):
+            raise ConfigError("--spec needs the n-gram tables in host memory (--ngram-tier host): a verify step "
+                              "reads several tokens' rows in place")
+        if cfg.speculation == "mtp":
+            raise ConfigError("--spec mtp: MTP drafting is not built yet; use --spec lookup")
+        self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts)
         self._tokenizer = None
         if cfg.preload if cfg.preload is not None else cuda:
             from moestream.engine.progress import progress_bar
@@ -180,8 +187,10 @@ class LLM:
 
     def _run(self, seq: gen.Sequence, cancelled=None) -> Iterator[gen.Step]:
         keep = self.prefix_cache.insert if self.prefix_cache else None
+        speculator = Speculator(self.depth, self.spec_stats, seq.prompt) if self.engine_config.max_drafts else None
         yield from gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
-                           self.decoder.step, on_boundary=keep, cancelled=cancelled)
+                           self.decoder.step, on_boundary=keep, cancelled=cancelled, verify=self.decoder.forward,
+                           speculator=speculator)
 
     def _checked_ids(self, ids) -> list[int]:
         if not isinstance(ids, list | tuple) or not ids:
@@ -224,7 +233,8 @@ class LLM:
             return ""
 
     def stats(self) -> dict:
-        return self.provider.snapshot() | {"ngram": ngram_stats(ngram_tables(self.model)), "memory": self.memory()}
+        return self.provider.snapshot() | {"ngram": ngram_stats(ngram_tables(self.model)), "memory": self.memory(),
+                                           "speculation": self.spec_stats.as_dict()}
 
     def memory(self) -> dict:
         """Bytes of each part the engine keeps on the compute device (of the n-gram tables, a disk tier's staging

@@ -5,7 +5,8 @@ Acceptance is the standard rule (Leviathan et al. 2023; Chen et al. 2023): a dra
 probability min(1, p(d) / q(d)) against the target p the sampler would draw from; at the first rejection the
 token is drawn from max(p - q, 0), renormalised, and when every draft is kept, one more from the last row's p.
 The output is then distributed exactly as without speculation. A draft with no distribution (prompt lookup) has
-q a point mass. Greedy keeps a draft while it is the argmax, so its tokens are the non-speculative ones.
+q a point mass. Greedy keeps a draft while it is the argmax, so its tokens are the non-speculative ones, given
+a verify step whose rows have the bits of single decode steps (engine/decode.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 
 import torch
 
+from moestream.engine.lookup import PromptLookup
 from moestream.sampling import Sampler
 
 
@@ -81,10 +83,14 @@ class SpecStats:
                 "step_ms": {k: 1e3 * s / self.steps_at[k] for k, s in sorted(self.seconds.items())}}
 
 
+ROW_FLOOR = 0.02  # the least a verify row costs, relative to a one-row step
+
+
 class Depth:
     """How many drafts to verify next: the k that maximises expected tokens per second, (1 - a^(k+1)) / (1 - a)
     over the measured cost of a (k+1)-row step, with `a` the recent per-draft acceptance. It falls to 0 when drafts
-    stop paying, and tries one draft every `probe` plain steps to notice when they pay again."""
+    stop paying, and tries one draft after `probe` plain steps to notice when they pay again, waiting twice as long
+    after each probe that kept nothing (up to 32x)."""
 
     def __init__(self, max_drafts: int, fixed: int | None = None, decay: float = 0.9, probe: int = 32,
                  cost_prior: float = 0.1):
@@ -92,19 +98,22 @@ class Depth:
         self.hits, self.trials = 1.0, 2.0  # decayed counts of drafts kept / drafts judged; a prior of 1 in 2
         self.cost = {k: 1.0 + cost_prior * k for k in range(max_drafts + 1)}  # relative to a 1-row step
         self.measured: dict[int, float] = {}  # depth -> smoothed seconds
-        self.since_drafts = 0
+        self.since_drafts, self.wait = 0, probe
 
     def update(self, drafts: int, kept: int, seconds: float) -> None:
         if drafts:  # a draft after the first rejected one is not judged
             self.hits = self.decay * self.hits + kept
             self.trials = self.decay * self.trials + min(kept + 1, drafts)
             self.since_drafts = 0
+            self.wait = self.probe if kept else min(2 * self.wait, 32 * self.probe)
         else:
             self.since_drafts += 1
         old = self.measured.get(drafts)
         self.measured[drafts] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        if 0 in self.measured:
-            self.cost.update({k: s / self.measured[0] for k, s in self.measured.items()})
+        if 0 in self.measured:  # a row is never free: else one slow plain step makes drafts look free for good
+            for k in range(1, self.max_drafts + 1):
+                ratio = self.measured[k] / self.measured[0] if k in self.measured else self.cost[k]
+                self.cost[k] = max(ratio, self.cost[k - 1] + ROW_FLOOR)
 
     @property
     def acceptance(self) -> float:
@@ -115,6 +124,30 @@ class Depth:
             return self.fixed
         a = min(self.acceptance, 0.999)
         best = max(range(self.max_drafts + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / self.cost[k])
-        if best == 0 and self.max_drafts and self.since_drafts >= self.probe:
+        if best == 0 and self.max_drafts and self.since_drafts >= self.wait:
             return 1
         return best
+
+
+class Speculator:
+    """One sequence's drafts: prompt lookup over its tokens so far, at the depth `depth` chooses (the engine's, so
+    that what drafts earned on earlier requests carries over); each step's outcome goes to the depth and to the
+    engine's `stats`."""
+
+    def __init__(self, depth: Depth, stats: SpecStats, prompt: list[int]):
+        self.depth, self.stats, self.prompt = depth, stats, len(prompt)
+        self.lookup = PromptLookup()
+        self.lookup.reset(prompt)
+
+    def propose(self, generated: list[int], limit: int) -> list[int]:
+        """Up to `limit` drafts to follow the prompt and `generated`; none without a host pass over the tokens
+        while the depth is 0, so that a plain step costs what it costs without speculation."""
+        k = min(self.depth.next(), limit)
+        if k <= 0:
+            return []
+        self.lookup.extend(generated[len(self.lookup.tokens) - self.prompt:])
+        return self.lookup.propose(k)
+
+    def record(self, drafts: int, kept: int, seconds: float) -> None:
+        self.depth.update(drafts, kept, seconds)
+        self.stats.record(drafts, kept, seconds)

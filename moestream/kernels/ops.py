@@ -13,7 +13,9 @@ from moestream.experts.format import NgramLayout
 from moestream.experts.grouping import AddressedExperts, ExpertBatch
 from moestream.kernels import reference
 
-DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config
+DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config; their rows' bits do
+# not depend on how many there are (a verify step's k+1 rows equal k+1 decode steps): the GPU kernels' tiles depend on
+# the weights only, and the CPU reference computes such rows one at a time
 
 
 KERNELS = os.environ.get("MOESTREAM_KERNELS", "")
@@ -75,6 +77,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from moestream.kernels import dense_gemv
 
         return dense_gemv.dense_gemv(x, weight, bias)
+    if 1 < x.shape[0] <= DECODE_MAX_ROWS:
+        return torch.cat([reference.linear(row, weight, bias) for row in x.split(1)])
     return reference.linear(x, weight, bias)
 
 
@@ -84,6 +88,8 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> to
         from moestream.kernels import dense_gemv
 
         return dense_gemv.dense_gemv(gate, weight, None, up)
+    if 1 < gate.shape[0] <= DECODE_MAX_ROWS:
+        return torch.cat([reference.glu_linear(g, u, weight) for g, u in zip(gate.split(1), up.split(1))])
     return reference.glu_linear(gate, up, weight)
 
 
@@ -188,7 +194,8 @@ def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts, top_k: in
         expert_mlp.grouped(x, part.buffer, part.slots, part.layout, part.spans, part.order, top_k, out,
                            expert_phase(x.shape[0]))
     else:
-        reference.expert_group(x, part.buffer, part.slots, part.layout, part.spans, part.order, top_k, out)
+        reference.expert_group(x, part.buffer, part.slots, part.layout, part.spans, part.order, top_k, out,
+                               by_entry=x.shape[0] <= DECODE_MAX_ROWS)
 
 
 def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
@@ -216,7 +223,12 @@ def inject_rms_norm(streams: torch.Tensor, out: torch.Tensor, weights: torch.Ten
 def hyper_mix(normed: torch.Tensor, projected: torch.Tensor, up_weight: torch.Tensor,
               streams: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A hyper-connection's block input and injection weights from its normed streams and their projection
-    (reference.hyper_mix); one token's on the GPU is one launch that reads the up weight once."""
+    (reference.hyper_mix); one token's on the GPU is one launch that reads the up weight once, a few tokens' one
+    launch each."""
+    if 1 < normed.shape[0] <= DECODE_MAX_ROWS:
+        rows = zip(normed.split(1), projected.split(1))
+        mixed, weights = zip(*(hyper_mix(n, p, up_weight, streams) for n, p in rows))
+        return torch.cat(mixed), None if weights[0] is None else torch.cat(weights)
     if normed.shape[0] == 1 and use_triton(normed.device):
         from moestream.kernels import hyper
 

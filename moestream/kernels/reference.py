@@ -83,17 +83,19 @@ def expert_weights(record: torch.Tensor, layout: RecordLayout, dtype: torch.dtyp
 
 
 def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout: RecordLayout,
-                 spans: list[tuple[int, int]], order: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
+                 spans: list[tuple[int, int]], order: torch.Tensor, top_k: int, out: torch.Tensor,
+                 by_entry: bool = False) -> None:
     """Experts `slots[j]` (records in `buffer`) over their rows; writes each (row, k) output once.
 
     x [T, H]; order [M] flat (row * top_k + k) indices grouped by expert, expert j owning
-    order[spans[j][0]:spans[j][1]]; out [T * top_k, H] receives the unweighted expert outputs.
+    order[spans[j][0]:spans[j][1]]; out [T * top_k, H] receives the unweighted expert outputs. `by_entry`: one
+    entry at a time, so that a row's bits do not depend on the rows sharing its expert.
     """
     for (a, b), slot in zip(spans, slots):
-        flat = order[a:b]
         gate, up, down = expert_weights(buffer[slot], layout, x.dtype)
-        rows = x[flat // top_k]
-        out[flat] = (F.silu(rows @ gate.T) * (rows @ up.T)) @ down.T
+        for flat in order[a:b].split(1) if by_entry else (order[a:b],):
+            rows = x[flat // top_k]
+            out[flat] = (F.silu(rows @ gate.T) * (rows @ up.T)) @ down.T
 
 
 def ngram_decode(raw: torch.Tensor, layout: NgramLayout) -> torch.Tensor:

@@ -150,13 +150,18 @@ class Attention(nn.Module):
         keys, values = cache.append(k, v)
         return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)
 
-    def _static(self, x: torch.Tensor, rope, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token at device-side `position` [1] over the reserved cache's rows 0..position, so the shapes
-        never change and the step can be captured in a CUDA graph."""
+    def _static(self, x: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Tokens at device-side `positions` [T] over the reserved cache's rows 0..position, so the shapes never
+        change and the step can be captured in a CUDA graph; a verify step's rows one by one, each as a decode
+        step attends."""
         qkv = self.qkv(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered) \
             if self.qk_norm else (None, None, 0.0, False)
-        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *norms, *rope, cache.k, cache.v,
-                                   position)
-        out = ops.decode_attention(q, cache.k, cache.v, position, self.head_dim ** -0.5, gate=self.gate_heads(qkv))
-        return self.o_proj(out.reshape(1, -1))
+        cos, sin = rope
+        out = []
+        for r in range(x.shape[0]):
+            row, at = qkv[r: r + 1], positions[r: r + 1]
+            q = ops.qk_norm_rope_cache(row, self.heads, self.kv_heads, self.head_dim, *norms, cos[r: r + 1],
+                                       sin[r: r + 1], cache.k, cache.v, at)
+            out.append(ops.decode_attention(q, cache.k, cache.v, at, self.head_dim ** -0.5, gate=self.gate_heads(row)))
+        return self.o_proj(torch.cat(out).reshape(x.shape[0], -1))

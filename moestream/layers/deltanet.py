@@ -13,14 +13,27 @@ from torch import nn
 
 from moestream.config import ModelConfig
 from moestream.kernels import ops
+from moestream.layers.context import StepContext
 from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import GatedRMSNorm
+from moestream.layers.rows import RowCopies, reserve_rows
 
 
 @dataclass
 class DeltaNetState:
     conv: torch.Tensor  # [K-1, conv_dim]: the last inputs of the causal conv
     recurrent: torch.Tensor  # [Hv, Dk, Dv] fp32
+    rows: RowCopies | None = None  # the states after each row of a verify step
+
+    def reserve_rows(self, rows: int) -> None:
+        self.rows = reserve_rows(self.rows, [self.conv, self.recurrent], rows)
+
+    def keep(self, row: int) -> None:
+        if self.rows is not None:
+            self.rows.keep(row)
+
+    def rewind(self, row: int) -> None:
+        self.rows.rewind(row)
 
     def snapshot(self) -> DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
@@ -84,10 +97,19 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
 
-    def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: DeltaNetState, ctx: StepContext | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; the conv and recurrent states advance in place (a captured decode graph keeps
-        pointing at these buffers)."""
+        pointing at these buffers). A static step of several rows (a verify step) runs them one by one, keeping
+        the state after each."""
         mixed, z, b, a = self._project(x)
-        out = ops.deltanet_step(mixed, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
-                                self.norm.eps, self.norm.activation, state.conv, state.recurrent)
-        return self.out_proj(out)
+        if ctx is None or not ctx.static or x.shape[0] == 1:
+            return self.out_proj(self._mix(mixed, z, b, a, state))
+        out = []
+        for r in range(x.shape[0]):
+            out.append(self._mix(mixed[r: r + 1], z[r: r + 1], b[r: r + 1], a[r: r + 1], state))
+            state.keep(r)
+        return self.out_proj(torch.cat(out))
+
+    def _mix(self, mixed, z, b, a, state: DeltaNetState) -> torch.Tensor:
+        return ops.deltanet_step(mixed, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
+                                 self.norm.eps, self.norm.activation, state.conv, state.recurrent)

@@ -27,12 +27,24 @@ from moestream.config import ModelConfig
 from moestream.kernels import ops
 from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import RMSNorm
+from moestream.layers.rows import RowCopies, reserve_rows
 
 
 @dataclass
 class PLEState:
     context: torch.Tensor  # [ngram_size - 1] the previous token ids (EOS before the first token)
     conv: torch.Tensor  # [(kernel - 1) * dilation, hc * H] the previous conv inputs (zeros at start)
+    rows: RowCopies | None = None  # the states after each row of a verify step
+
+    def reserve_rows(self, rows: int) -> None:
+        self.rows = reserve_rows(self.rows, [self.context, self.conv], rows)
+
+    def keep(self, row: int) -> None:
+        if self.rows is not None:
+            self.rows.keep(row)
+
+    def rewind(self, row: int) -> None:
+        self.rows.rewind(row)
 
     def snapshot(self) -> PLEState:
         return PLEState(self.context.clone(), self.conv.clone())
@@ -152,7 +164,14 @@ class PLE(nn.Module):
     def forward(self, residual: tuple, ids: torch.Tensor, state: PLEState, static: bool = False) -> torch.Tensor:
         """residual (streams [T, hc * H], a block's output [T, H] pending at its weights [T, hc], or None, None), ids
         [T] -> the streams with that injection (done in the query norm's launch) and the PLE update added; advances
-        `state`."""
+        `state`. A static step of several rows (a verify step) runs them one by one, keeping the state after each."""
+        if static and ids.shape[0] > 1:
+            out = []
+            for r in range(ids.shape[0]):
+                row = tuple(None if part is None else part[r: r + 1] for part in residual)
+                out.append(self(row, ids[r: r + 1], state, static))
+                state.keep(r)
+            return torch.cat(out)
         streams, queries = self.norm_query.after_inject(*residual)
         embedded = self.ple_embedding(ids, state.context, streams.dtype, static)  # [T, ple_embed_dim]
         state.context.copy_(torch.cat([state.context, ids])[ids.shape[0]:])

@@ -105,12 +105,13 @@ class Indexer(nn.Module):
             cache.block_keys[first:complete] = self.block_keys(raw, starts)
         return q, cache.block_keys[:complete]
 
-    def static_step(self, x: torch.Tensor, rope, position: torch.Tensor, cache: QSACache) -> torch.Tensor:
-        """One token at device-side `position` [1]: its raw key stored, and the key of the block it completes
-        written, with fixed shapes. Returns its index queries [1, Hi, Di]."""
-        q, raw_key = self.queries_and_keys(x, rope)
-        ops.qsa_block_key(cache.index_keys, cache.block_keys, raw_key, position, self.ratio, self.k_layernorm.weight,
-                          self.k_layernorm.eps, self.rotary.inv_freq)
+    def static_step(self, x: torch.Tensor, rope, positions: torch.Tensor, cache: QSACache, row: int) -> torch.Tensor:
+        """Row `row` of tokens x [T, H] at device-side `positions` [T]: its raw key stored, and the key of the block
+        it completes written, with fixed shapes. Returns its index queries [1, Hi, Di]."""
+        cos, sin = (part[row: row + 1] for part in rope)
+        q, raw_key = self.queries_and_keys(x[row: row + 1], (cos, sin))
+        ops.qsa_block_key(cache.index_keys, cache.block_keys, raw_key, positions[row: row + 1], self.ratio,
+                          self.k_layernorm.weight, self.k_layernorm.eps, self.rotary.inv_freq)
         return q
 
     def scores(self, q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -179,16 +180,20 @@ class IndexedAttention(Attention):
             out.append(_attend_masked(q[i: i + chunk], ids, ok, keys, values, scale))
         return self.finish(torch.cat(out), gate)
 
-    def _static(self, x: torch.Tensor, rope, position: torch.Tensor, cache: QSACache) -> torch.Tensor:
-        """One token at device-side `position` [1] with fixed shapes (captured in the decode graph)."""
-        qkv = self.qkv(x)
-        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
-                                   self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, *rope, cache.k,
-                                   cache.v, position)
-        index_q = self.indexer.static_step(x, rope, position, cache)
-        rows = self.indexer.select_static(index_q, cache.block_keys[:-1], position)
-        out = ops.decode_attention(q, cache.k, cache.v, position, self.head_dim ** -0.5, rows, self.gate_heads(qkv))
-        return self.o_proj(out.reshape(1, -1))
+    def _static(self, x: torch.Tensor, rope, positions: torch.Tensor, cache: QSACache) -> torch.Tensor:
+        """Tokens at device-side `positions` [T] with fixed shapes (captured in the decode graph); a verify step's
+        rows one by one, each as a decode step selects and attends."""
+        qkv, (cos, sin) = self.qkv(x), rope
+        out = []
+        for r in range(x.shape[0]):
+            row, at = qkv[r: r + 1], positions[r: r + 1]
+            q = ops.qk_norm_rope_cache(row, self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
+                                       self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, cos[r: r + 1],
+                                       sin[r: r + 1], cache.k, cache.v, at)
+            index_q = self.indexer.static_step(x, rope, positions, cache, r)
+            rows = self.indexer.select_static(index_q, cache.block_keys[:-1], at)
+            out.append(ops.decode_attention(q, cache.k, cache.v, at, self.head_dim ** -0.5, rows, self.gate_heads(row)))
+        return self.o_proj(torch.cat(out).reshape(x.shape[0], -1))
 
 
 def _attend_masked(q, ids, ok, keys, values, scale) -> torch.Tensor:

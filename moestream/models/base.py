@@ -17,6 +17,7 @@ from moestream.config import ModelConfig
 from moestream.layers.attention import Attention
 from moestream.layers.context import StepContext
 from moestream.layers.deltanet import GatedDeltaNet
+from moestream.layers.linear import Linear
 from moestream.layers.mlp import MLP
 from moestream.layers.moe import SparseMoE
 from moestream.layers.norm import RMSNorm
@@ -66,6 +67,21 @@ class SequenceState:
             s.reset()
         self.length, self.tokens = 0, []
 
+    def reserve_rows(self, rows: int) -> None:
+        """Room for the recurrent states after each row of a verify step of `rows` rows (layers/rows.py)."""
+        for s in self.layers:
+            if hasattr(s, "reserve_rows"):
+                s.reserve_rows(rows)
+
+    def accept(self, tokens: list[int], rows: int) -> None:
+        """After a verify step of `rows` rows, the first len(tokens) are the sequence's: the caches keep them and
+        the recurrent states go back to after the last of them."""
+        if len(tokens) < rows:
+            for s in self.layers:
+                if hasattr(s, "rewind"):
+                    s.rewind(len(tokens) - 1)
+        self.advance(tokens)
+
     def advance(self, tokens: list[int]) -> None:
         """The step that wrote these tokens' caches is done: they are part of the sequence now."""
         for s in self.layers:
@@ -98,7 +114,7 @@ class DecoderLayer(nn.Module):
 
     def mix(self, x: torch.Tensor, rope, state, ctx: StepContext) -> torch.Tensor:
         if self.kind == "linear_attention":
-            return self.linear_attn(x, state)
+            return self.linear_attn(x, state, ctx)
         return self.self_attn(x, rope, state, ctx)
 
     def forward(self, residual: tuple, ids: torch.Tensor, rope, state, ctx: StepContext) -> tuple:
@@ -133,7 +149,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = self.backbone_class(cfg, self.spec)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # a few rows' bits independent of how many
         self.rotary = Rotary(cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta)
         self._stagers = None
 

@@ -43,6 +43,14 @@ class PLELayerState:
         self.mixer.load(other.mixer)
         self.ple.load(other.ple)
 
+    def reserve_rows(self, rows: int) -> None:
+        self.mixer.reserve_rows(rows)
+        self.ple.reserve_rows(rows)
+
+    def rewind(self, row: int) -> None:
+        self.mixer.rewind(row)
+        self.ple.rewind(row)
+
     def advance(self, rows: int) -> None:
         self.mixer.advance(rows)  # the PLE state moves on in the forward, in place
 
@@ -84,7 +92,8 @@ class HyperDecoderLayer(nn.Module):
             residual = self.ple(residual, ids, state.ple, ctx.static), None, None
             state = state.mixer
         streams, x, weights = self.attn_hyper_connection(*residual)
-        out = self.linear_attn(x, state) if self.kind == "linear_attention" else self.self_attn(x, rope, state, ctx)
+        mixer = self.linear_attn(x, state, ctx) if self.kind == "linear_attention" else None
+        out = mixer if mixer is not None else self.self_attn(x, rope, state, ctx)
         streams, x, weights = self.mlp_hyper_connection(streams, out, weights)
         return streams, self.mlp(x, ctx), weights
 

@@ -60,16 +60,17 @@ def test_acceptance_honours_top_k():
 def test_depth_falls_to_zero_when_every_draft_is_rejected_and_probes():
     depth = Depth(max_drafts=4, probe=8)
     depth.update(0, 0, 1.0)
-    for _ in range(40):
-        k = depth.next()
-        depth.update(k, 0, 1.0 + 0.1 * k)
-    assert depth.next() == 0
     chosen = []
-    for _ in range(20):
+    for _ in range(1500):
         k = depth.next()
         chosen.append(k)
         depth.update(k, 0, 1.0 + 0.1 * k)
-    assert 0 < chosen.count(1) <= 3 and set(chosen) <= {0, 1}  # a cheap probe now and then
+    assert depth.next() == 0 and set(chosen[40:]) == {0, 1}  # a cheap probe now and then
+    probes = [i for i, k in enumerate(chosen) if k and i >= 40]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]  # each further from the last while none pays, up to 32x
+    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] == 32 * 8 + 1
+    depth.update(1, 1, 1.1)  # a probe that paid: probing at the first pace again
+    assert depth.wait == depth.probe
 
 
 def test_depth_grows_when_drafts_are_kept_and_cheap():

@@ -1,0 +1,95 @@
+"""What a verify step of k drafts (k+1 rows) costs against a one-row decode step, k = 1..MAX_DRAFTS, resident and
+with a 25% pool + host tier; and greedy decode with speculation on but every draft wrong (adaptive depth should
+turn drafts off) against speculation off. Random weights, so drafts are forced: the rows' cost does not depend on
+whether they are accepted.
+
+  python -m benchmarks.verify_cost OUT.json --geometry qwen3-30b --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+
+from benchmarks.synthetic import build
+from moestream.config import MAX_DRAFTS
+from moestream.engine import generate as gen
+from moestream.engine.llm import LLM
+from moestream.engine.lookup import PromptLookup
+from moestream.experts.format import RecordLayout
+from moestream.sampling import SamplingParams
+
+
+def step_ms(llm: LLM, rows: int, context: int = 256, iters: int = 30) -> float:
+    """Median ms of a static step of `rows` rows after a `context`-token prompt (graphs where captured)."""
+    state = llm.decoder.new_state()
+    ids = torch.randint(0, llm.config.vocab_size, (context + rows,)).tolist()
+    gen.prefill(llm.model, ids[:context], state, llm.engine_config.prefill_chunk, llm.device)
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        tic = time.perf_counter()
+        llm.decoder.forward(ids[context:], state)  # the state is not advanced: each writes the same rows
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - tic)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def decode_tok_s(llm: LLM, tokens: int = 128) -> float:
+    params, prompt = SamplingParams(max_tokens=tokens, ignore_eos=True), list(range(1000, 1064))
+    best = 0.0
+    for _ in range(3):
+        out = llm.generate([prompt], params)[0]
+        best = max(best, out.stats["timings"]["decode_tok_s"])
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--geometry", default="qwen3-30b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--work", default="/tmp/verify-cost")
+    args = p.parse_args()
+    path = os.path.join(args.work, f"{args.geometry}-{args.layers}")
+    # flash-next: a small n-gram table and Q4 records as holes (zero experts, computed like any), quick to write
+    extra = dict(ngram_vocab_size_base=100_000, sparse=("q4",)) if "flash" in args.geometry else {}
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        build(path, args.geometry, layers=args.layers, **extra)
+    runs = []
+    for mode in ("resident", "pool 25% + host"):
+        llm = LLM(path, speculation="lookup")  # drafts chosen per step, up to MAX_DRAFTS: every row count captured
+        if mode != "resident":
+            g = llm.store.manifest.geometry
+            total = g.num_records * RecordLayout.build("q4", g.hidden_size, g.intermediate_size).stride / 1e9
+            llm.close()
+            llm = LLM(path, speculation="lookup", pool_gb=0.25 * total * 1.0001, host_gb=total * 1.01)
+        ms = {rows: step_ms(llm, rows) for rows in range(1, MAX_DRAFTS + 2)}
+        run = {"geometry": args.geometry, "layers": args.layers, "mode": mode,
+               "step_ms": ms, "relative": {k: ms[k + 1] / ms[1] for k in range(1, MAX_DRAFTS + 1)}}
+        # drafts a random model's greedy run does not pick (the last ids; `speculation` says how many were kept):
+        # speculation pays the rejected verify steps until its depth falls to 0
+        original, last = PromptLookup.propose, llm.config.vocab_size - 1
+        PromptLookup.propose = lambda self, k, last=last: [last - i for i in range(k)]
+        llm.spec_stats = type(llm.spec_stats)()
+        run["decode_tok_s_spec_all_rejected"] = decode_tok_s(llm)
+        run["speculation"] = llm.spec_stats.as_dict()
+        PromptLookup.propose = original
+        llm.engine_config = dataclasses.replace(llm.engine_config, speculation="off")
+        run["decode_tok_s_spec_off"] = decode_tok_s(llm)
+        run["graph_rows"] = sorted(llm.decoder.graphs)
+        print(json.dumps(run), flush=True)
+        runs.append(run)
+        llm.close()
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
