@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         out = stream.output()
         if args.json:
-            print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
+            stats = out.stats | {"speculation": llm.stats()["speculation"]}  # this process's one request
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": stats}))
         else:
             sys.stdout.write("\n")
         report(out)

@@ -73,6 +73,13 @@ class _EngineCollector:
         yield GaugeMetricFamily("moestream_prefix_cache_bytes", "bytes held by the prefix cache",
                                 value=cache.get("bytes", 0))
         yield GaugeMetricFamily("moestream_prefix_cache_entries", "snapshots held", value=cache.get("entries", 0))
+        spec = self.llm.stats()["speculation"]
+        for name, value, help_text in (
+                ("drafts_proposed", sum(spec["proposed"]), "speculative drafts verified"),
+                ("drafts_accepted", sum(spec["accepted"]), "speculative drafts kept"),
+                ("steps", spec["steps"], "decode steps of a speculating engine, verify steps included"),
+                ("tokens", round(spec["tokens_per_step"] * spec["steps"]), "tokens those steps produced")):
+            yield CounterMetricFamily(f"moestream_speculation_{name}", help_text, value=value)
         yield GaugeMetricFamily("moestream_queue_depth", "requests waiting for the engine",
                                 value=self.worker.jobs.qsize())
         yield GaugeMetricFamily("moestream_requests_running", "requests the engine is generating",

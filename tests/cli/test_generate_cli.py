@@ -33,6 +33,16 @@ def test_json_greedy_equals_transformers(tiny, model_type):
     assert out["token_ids"] == ref[0, len(ids):].tolist()
 
 
+def test_prompt_lookup_keeps_the_tokens_and_reports_its_drafts(tiny):
+    store, args = tiny.store("qwen3_next"), ("--raw", "--json", "--max-tokens", "16")
+    plain = json.loads(generate(store, *args).stdout)
+    proc = generate(store, *args, "--spec", "lookup", "--drafts", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == plain["token_ids"] and out["stats"]["speculation"]["steps"] > 0
+    assert plain["stats"]["speculation"]["steps"] == 0
+
+
 def test_streams_text_and_reports_on_stderr(tiny):
     proc = generate(tiny.store("qwen3_moe"), "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr

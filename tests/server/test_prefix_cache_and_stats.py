@@ -73,6 +73,7 @@ def test_metrics_parse_and_carry_expert_counters(serve, tiny):
     assert value("moestream_requests_total", endpoint="/v1/chat/completions", status="200") == 1
     assert value("moestream_generation_tokens_total") >= 2 and value("moestream_prompt_tokens_total") > 0
     assert value("moestream_request_latency_seconds_count", endpoint="/v1/completions") == 1
+    assert value("moestream_speculation_steps_total") == 0  # speculation is off by default
     assert value("moestream_queue_depth") == 0
 
 
