@@ -244,7 +244,8 @@ class LLM:
         return {"budget": self.engine_config.gpu_gb and int(self.engine_config.gpu_gb * 1e9),
                 "dense": dense_bytes(self.model), "pool": pool.num_slots * pool.stride,
                 "ring": pool.ring_slots * pool.stride,
-                "decode_state": state_bytes(self.model, self.dtype, state.capacity) if state is not None else None,
+                "decode_state": state_bytes(self.model, self.dtype, state.capacity, self.decoder.max_rows)
+                if state is not None else None,
                 "activations_estimate": activation_bytes(self.config, self.engine_config.prefill_chunk, self.dtype),
                 "ngram_tables": sum(t.staging.numel() for t in ngram_tables(self.model) if t.staging is not None),
                 "peak_allocated": self.peak_gpu_bytes}

@@ -14,6 +14,7 @@ import torch
 
 from moestream.config import EngineConfig, ModelConfig
 from moestream.errors import BudgetError
+from moestream.layers.rows import RowCopies
 from moestream.models.base import CausalLM
 
 ACTIVATION_FIXED = 512 * 2**20  # QSA's mask chunk, SDPA and allocator slack, whatever the chunk
@@ -32,16 +33,21 @@ def dense_bytes(model: CausalLM) -> int:
     return tensor_bytes(t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta")
 
 
-def state_bytes(model: CausalLM, dtype: torch.dtype, rows: int) -> int:
-    """A decode state reserved for `rows` positions, sized on the meta device (nothing is allocated)."""
+def state_bytes(model: CausalLM, dtype: torch.dtype, rows: int, verify_rows: int = 1) -> int:
+    """A decode state reserved for `rows` positions, with per-row copies of its recurrent states for verify steps
+    of `verify_rows` rows, sized on the meta device (nothing is allocated)."""
     state = model.new_state(dtype, torch.device("meta"))
     state.reserve(rows)
+    if verify_rows > 1:
+        state.reserve_rows(verify_rows)
     total, todo = 0, list(state.layers)
     while todo:
         part = todo.pop()
         for value in vars(part).values():
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
+            elif isinstance(value, RowCopies):
+                total += value.bytes()
             elif dataclasses.is_dataclass(value) or hasattr(value, "__dict__") and not isinstance(value, type):
                 todo.append(value)
     return total
@@ -75,7 +81,7 @@ class GpuPlan:
 def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype: torch.dtype) -> GpuPlan:
     """Split `cfg.gpu_gb` into parts; refuses a budget whose pool cannot hold one decode step's records."""
     budget = int(cfg.gpu_gb * 1e9)
-    plan = GpuPlan(dense_bytes(model), state_bytes(model, dtype, cfg.max_context),
+    plan = GpuPlan(dense_bytes(model), state_bytes(model, dtype, cfg.max_context, 1 + cfg.max_drafts),
                    activation_bytes(model.config, cfg.prefill_chunk, dtype), cfg.expert.ring_slots * stride, 0)
     plan.pool = budget - plan.dense - plan.state - plan.activations - plan.ring
     if cfg.expert.pool_gb is not None:

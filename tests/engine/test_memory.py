@@ -26,6 +26,23 @@ def test_the_pool_gets_what_the_other_parts_leave(tiny):
         llm.close()
 
 
+def test_the_plan_counts_the_verify_steps_row_copies(tiny):
+    llm = LLM(tiny.store("qwen4_exp"), device="cpu", gpu_gb=0.7, speculation="lookup", ngram_tier="host")
+    try:
+        model, dtype = llm.model, llm.dtype
+        state = model.new_state(dtype, llm.device)
+        state.reserve_rows(5)
+        copies = 0
+        for s in state.layers:  # DeltaNet layers, and PLE layers' two states
+            for part in (s, getattr(s, "mixer", None), getattr(s, "ple", None)):
+                copies += part.rows.bytes() if getattr(part, "rows", None) is not None else 0
+        assert llm.gpu_plan.state == state_bytes(model, dtype, llm.engine_config.max_context, 5)
+        assert llm.gpu_plan.state - state_bytes(model, dtype, llm.engine_config.max_context) == copies > 0
+        assert llm.stats()["memory"]["decode_state"] == llm.gpu_plan.state
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(gpu_gb=0.3), "leaves"),
     (dict(gpu_gb=0.7, pool_gb=0.5), "does not fit"),
