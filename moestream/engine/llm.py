@@ -46,6 +46,8 @@ class LLM:
         device = cfg.device or default_device()
         if device == "cuda" and not torch.cuda.is_available():
             raise MoestreamError("--device cuda was asked for, but no CUDA device is available")
+        if cfg.speculation == "mtp":
+            raise ConfigError("--spec mtp: MTP drafting is not built yet; use --spec lookup")
         self.store = open_store(store)
         dtype = cfg.dtype or ("bfloat16" if device == "cuda" else "float32")
         cfg = dataclasses.replace(cfg, device=device, dtype=dtype, expert=self._precisions(store, cfg.expert))
@@ -56,6 +58,9 @@ class LLM:
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model = load_model(self.store, self.device, self.dtype, cfg.ngram_tier, cfg.expert.host_gb * 1e9)
+        if cfg.max_drafts and any(t.host is None for t in ngram_tables(self.model)):
+            raise ConfigError("--spec needs the n-gram tables in host memory (--ngram-tier host): a verify step "
+                              "reads several tokens' rows in place")
         self.gpu_plan = None
         if cfg.gpu_gb is not None:
             strides = [self.store.manifest.layouts[p].stride for p in (cfg.expert.precision, cfg.expert.miss_precision)
@@ -68,11 +73,6 @@ class LLM:
             block.provider = self.provider
         self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})
         self.spec_stats, self.depth = SpecStats(), Depth(cfg.max_drafts, cfg.drafts)
-        if cfg.max_drafts and any(t.host is None for t in ngram_tables(self.model)):
-            raise ConfigError("--spec needs the n-gram tables in host memory (--ngram-tier host): a verify step "
-                              "reads several tokens' rows in place")
-        if cfg.speculation == "mtp":
-            raise ConfigError("--spec mtp: MTP drafting is not built yet; use --spec lookup")
         self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts)
         self._tokenizer = None
         if cfg.preload if cfg.preload is not None else cuda:

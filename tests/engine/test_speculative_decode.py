@@ -2,6 +2,7 @@
 every state back to after the kept rows, and greedy generation with drafts gives the tokens it gives without."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from moestream.engine.decode import Decoder
 from moestream.engine.llm import LLM
 from moestream.engine.lookup import PromptLookup
+from moestream.errors import ConfigError
 from moestream.sampling import SamplingParams
 from tests.conftest import MODEL_TYPES
 from tests.engine.runs import prompt_of
@@ -91,3 +93,14 @@ def test_prompt_lookup_keeps_the_plain_tokens(tiny):
         assert llm.generate([prompt], params)[0].token_ids == want
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(speculation="mtp"), "--spec mtp: MTP drafting is not built yet; use --spec lookup"),
+    (dict(speculation="lookup", ngram_tier="disk"), "--spec needs the n-gram tables in host memory"),
+    (dict(speculation="lookup", drafts=5), "--drafts 5: choose 0..4"),
+    (dict(speculation="draft"), "speculation 'draft': choose off, lookup, mtp"),
+])
+def test_speculation_options_a_run_cannot_honour_are_refused_in_one_line(tiny, options, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        LLM(tiny.store("qwen4_exp"), device="cpu", **options)
