@@ -29,7 +29,7 @@ from moestream.stats.counters import ExpertStats
 
 class Residency:
     def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int):
-        self.cfg, self.geometry = cfg, store.manifest.geometry
+        self.cfg, self.geometry, self.top_k = cfg, store.manifest.geometry, top_k
         self.base = cfg.precision or store.default_precision
         self.miss = cfg.miss_precision or self.base
         self.layouts = {p: store.manifest.layouts[p] for p in {self.base, self.miss}}
@@ -81,7 +81,8 @@ class Residency:
 
     def note_addressed(self, routed: torch.Tensor) -> None:
         """A decode step that read its records by address (a graph replay sees no provider): `routed`
-        [num_layers, top_k] are its expert ids, counted in bulk by `flush`, so the step never waits."""
+        [num_layers, rows * top_k] are its expert ids (-1 in a layer it did not run: the MTP head's in a trunk
+        step, the trunk's in a head step), counted in bulk by `flush` as one-row steps, so the step never waits."""
         self._addressed.append(routed.clone())
         if len(self._addressed) >= 256:
             self.flush()
@@ -91,17 +92,20 @@ class Residency:
         read. A pool record is a hit; any other a miss read in place from the host tier, as the table points."""
         if not self._addressed:
             return
-        ids = torch.stack(self._addressed).cpu()  # [steps, layers, rows * top_k]
+        # [one-row steps, layers, top_k]
+        ids = torch.cat([r.view(r.shape[0], -1, self.top_k).transpose(0, 1) for r in self._addressed]).cpu()
         self._addressed = []
+        ran = ids[..., 0] >= 0  # [steps, layers]
         if self.trace is not None:  # in step order: a host step flushes these before it runs
-            for step in ids.view(*ids.shape[:2], -1, self.trace.top_k).tolist():  # [layers][rows][top_k]
-                for layer, rows in enumerate(step):
-                    self.trace.step(layer, rows)
+            for step, layers_ran in zip(ids.tolist(), ran.tolist()):
+                for layer, experts in enumerate(step):
+                    if layers_ran[layer]:
+                        self.trace.step(layer, [experts])
         ids = ids.sort(-1).values
-        g, routed_layers = self.geometry, ids.shape[1]  # the trunk's layers: an MTP layer's records come after
-        distinct = torch.ones_like(ids, dtype=torch.bool)
-        distinct[..., 1:] = ids[..., 1:] != ids[..., :-1]
-        rid = ids + torch.arange(routed_layers)[None, :, None] * g.num_experts
+        g, routed_layers = self.geometry, ids.shape[1]
+        distinct = ran[..., None].expand_as(ids).clone()
+        distinct[..., 1:] &= ids[..., 1:] != ids[..., :-1]
+        rid = ids.clamp(min=0) + torch.arange(routed_layers)[None, :, None] * g.num_experts
         cached = {p: torch.zeros(g.num_records, dtype=torch.bool) for p in self.layouts}
         for r, slot in self.pool.slot_of.items():
             precision = self.pool.precision_of[slot]  # None for a slot whose fill is not fetched yet
@@ -110,9 +114,12 @@ class Residency:
         hits = {p: (distinct & c[rid]).sum((0, 2)).tolist() for p, c in cached.items()}
         lookups = distinct.sum((0, 2)).tolist()
         uses = torch.bincount(rid[distinct], minlength=g.num_records).view(g.num_layers, g.num_experts).tolist()
+        steps = ran.sum(0).tolist()
         for layer in range(routed_layers):
+            if not steps[layer]:
+                continue
             misses = lookups[layer] - sum(h[layer] for h in hits.values())
-            self.stats.at(layer, self.base).decode_steps += ids.shape[0]
+            self.stats.at(layer, self.base).decode_steps += steps[layer]
             for p, h in hits.items():
                 self._count_hits(layer, p, h[layer])
             self._count_misses(layer, misses)
