@@ -30,7 +30,8 @@ class StepInputs:
     tokens: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]: the decoder's start position plus 0..rows-1
     offsets: torch.Tensor  # [rows]
-    routed: torch.Tensor  # [moe layers, rows * top_k] the routers' expert ids
+    routed: torch.Tensor  # [record layers, rows * top_k] the routers' expert ids (-1: a layer the step skips)
+    hidden: torch.Tensor | None = None  # [rows, H] the trunk's, for the MTP head's steps
 
 
 class Decoder:
@@ -61,7 +62,7 @@ class Decoder:
         every sequence; else a fresh one. A cache grown past `max_context` is made anew: its capacity sets the
         attention's split, so every sequence starts at the same one."""
         if not self.static:
-            return self.model.new_state(self.dtype, self.device)
+            return self._new_state()
         if self.state.capacity != self.capacity:
             self.state, self.graphs = self._static_state(), {}
         self.state.reset()
@@ -77,25 +78,22 @@ class Decoder:
         return logits[0]
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], state: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
-        """A static step of `tokens` after the state's (a verify step when there are several); returns their final
-        hidden states [T, H] and logits [T, vocab] (float32). The caller advances the state (`state.advance`,
-        or `state.accept` after a verify step)."""
-        rows = len(tokens)
+    def forward(self, tokens: list[int], state: SequenceState, hidden: torch.Tensor | None = None,
+                start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A static step of `tokens` at positions from `start` (default: after the state's; a verify step when
+        there are several); returns their final hidden states [T, H] and logits [T, vocab] (float32). The caller
+        advances the state (`state.advance`, or `state.accept` after a verify step). `hidden`: the MTP head's."""
+        rows, start = len(tokens), state.length if start is None else start
         assert self.static and rows <= self.max_rows
         if state.capacity < self.max_context:  # another state (tests): attended over as the decoder's own
             state.reserve(self.max_context)
-        if state.length + rows > state.capacity:
-            state.reserve(2 * max(state.capacity, state.length + rows))
+        if start + rows > state.capacity:
+            state.reserve(2 * max(state.capacity, start + rows))
         if state is self.state and state.capacity != self.graph_capacity:
             self.graphs = {}  # their buffers moved: a step grew them, or a prompt past max_context did
         inputs = self._inputs(rows)
-        if rows == 1:
-            self.model.stage_step(state.tokens, tokens[0])
-            inputs.tokens.fill_(tokens[0])
-        else:
-            inputs.tokens.copy_(torch.tensor(tokens))
-        self.position.fill_(state.length)
+        self._load(inputs, tokens, state, hidden)
+        self.position.fill_(start)
         addresses = self.provider.address_table() if self.mode != "handshake" else None
         if addresses is not None and rows in self.graphs and state is self.state:
             graph, hidden, logits = self.graphs[rows]
@@ -106,8 +104,7 @@ class Decoder:
             if addresses is not None and self.mode == "graph" and state is self.state:
                 self._capture(rows, addresses)  # after one eager run: compiled, allocated
         if addresses is not None:  # the provider saw none of this step's lookups
-            for row in inputs.routed.view(inputs.routed.shape[0], rows, -1).unbind(1):
-                self.provider.note_addressed(row)
+            self.provider.note_addressed(inputs.routed)
         return hidden.clone(), logits.clone()  # a replay overwrites the graph's output buffers
 
     def warm(self) -> None:
@@ -130,11 +127,24 @@ class Decoder:
     def _inputs(self, rows: int) -> StepInputs:
         if rows not in self.inputs:
             offsets = torch.arange(rows, device=self.device)
-            routed = torch.zeros(len(self.model.moe_blocks()), rows * self.model.config.num_experts_per_tok,
-                                 dtype=torch.long, device=self.device)
+            routed = torch.full((self.provider.geometry.num_layers, rows * self.model.config.num_experts_per_tok),
+                                -1, dtype=torch.long, device=self.device)
             positions = self.position if rows == 1 else torch.zeros_like(offsets)
             self.inputs[rows] = StepInputs(torch.zeros_like(offsets), positions, offsets, routed)
         return self.inputs[rows]
+
+    def _load(self, inputs: StepInputs, tokens: list[int], state: SequenceState, hidden) -> None:
+        if len(tokens) == 1:
+            self.model.stage_step(state.tokens, tokens[0])
+            inputs.tokens.fill_(tokens[0])
+        else:
+            inputs.tokens.copy_(torch.tensor(tokens))
+
+    def _forward(self, inputs: StepInputs, state: SequenceState, ctx: StepContext) -> torch.Tensor:
+        return self.model(inputs.tokens, state, ctx)
+
+    def _new_state(self) -> SequenceState:
+        return self.model.new_state(self.dtype, self.device)
 
     def _run(self, rows: int, state: SequenceState, addresses: torch.Tensor | None,
              scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +152,7 @@ class Decoder:
         if rows > 1:  # inside a captured graph too: the rows' positions follow the device-side start
             torch.add(self.position, inputs.offsets, out=inputs.positions)
         experts = ExpertStep(addresses, inputs.routed if addresses is not None else None, scratch=scratch)
-        hidden = self.model(inputs.tokens, state, StepContext(inputs.positions, static=True, experts=experts))
+        hidden = self._forward(inputs, state, StepContext(inputs.positions, static=True, experts=experts))
         return hidden, self.model.logits(hidden)
 
     def _capture(self, rows: int, addresses: torch.Tensor) -> None:
@@ -153,7 +163,7 @@ class Decoder:
         self.graphs[rows] = graph, hidden, logits
 
     def _static_state(self) -> SequenceState:
-        state = self.model.new_state(self.dtype, self.device)
+        state = self._new_state()
         state.reserve(self.max_context)
         if self.max_rows > 1:
             state.reserve_rows(self.max_rows)

@@ -52,12 +52,13 @@ def sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, device: torch.device,
-            on_boundary=None, cancelled=None) -> torch.Tensor | None:
+            on_boundary=None, cancelled=None, on_hidden=None) -> torch.Tensor | None:
     """Feed `ids` (the tokens after `state.length`) through the model; returns the last position's logits [vocab],
     or None when `cancelled()` said so between two chunks.
 
     Chunks end at multiples of `chunk` counted from the sequence start, so a state restored at such a
-    boundary continues with exactly the forwards of an uncached run; `on_boundary(state)` runs at each."""
+    boundary continues with exactly the forwards of an uncached run; `on_hidden(hidden)` sees each chunk's final
+    hidden states, then `on_boundary(state)` runs at each boundary."""
     hidden, start = None, state.length
     done, end = start, start + len(ids)
     while done < end:
@@ -66,6 +67,8 @@ def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, d
         stop = min(end, (done // chunk + 1) * chunk)
         piece = torch.tensor(ids[done - start: stop - start], dtype=torch.long, device=device)
         hidden = model(piece, state)
+        if on_hidden is not None:
+            on_hidden(hidden)
         if on_boundary is not None and stop % chunk == 0:
             on_boundary(state)
         done = stop
@@ -74,20 +77,20 @@ def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, d
 
 @torch.inference_mode()
 def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-        step, logits: torch.Tensor | None = None, on_boundary=None, cancelled=None, verify=None,
+        step, on_boundary=None, cancelled=None, verify=None,
         speculator: Speculator | None = None) -> Iterator[Step]:
-    """Yield generated tokens; `logits` are the prompt's last logits when the caller already prefilled;
-    `step(token, state) -> logits` is the decode step (engine/decode.py); `on_boundary(state)` sees the state at
-    each prefill chunk boundary (the prefix cache keeps it). With a `speculator`, a step may feed drafts after the
-    token as well: `verify(tokens, state) -> (hidden, logits [T, vocab])`, of which `accept` keeps a prefix."""
+    """Yield generated tokens; `step(token, state) -> logits` is the decode step (engine/decode.py);
+    `on_boundary(state)` sees the state at each prefill chunk boundary (the prefix cache keeps it). With a
+    `speculator`, a step may feed drafts after the token as well: `verify(tokens, state) -> (hidden [T, H], logits
+    [T, vocab])`, of which `accept` keeps a prefix; the speculator sees the hidden states of the prompt and of the
+    kept rows."""
     p, t = seq.params, seq.timings
     sampler = Sampler(p, device)
     start = time.perf_counter()
-    if logits is None:
-        todo = seq.prompt[seq.state.length:]
-        logits = prefill(model, todo, seq.state, chunk, device, on_boundary, cancelled)
-        if logits is None:  # cancelled during the prompt: no token
-            return
+    logits = prefill(model, seq.prompt[seq.state.length:], seq.state, chunk, device, on_boundary, cancelled,
+                     speculator.hidden if speculator is not None else None)
+    if logits is None:  # cancelled during the prompt: no token
+        return
     sync(device)
     t.prompt_tokens = len(seq.prompt)
     t.prefill_seconds += time.perf_counter() - start
@@ -111,10 +114,15 @@ def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch
         drafts = speculator.propose(seq.generated, p.max_tokens - len(seq.generated) - 1) \
             if speculator is not None else []
         if drafts:
-            rows = verify([last, *drafts], seq.state)[1]
+            hidden, rows = verify([last, *drafts], seq.state)
             pending = accept(sampler, rows, drafts, seq.prompt + seq.generated)
             seq.state.accept([last, *pending[:-1]], len(drafts) + 1)
+        elif speculator is not None:  # the same step, with its hidden state for the drafter
+            hidden, rows = verify([last], seq.state)
+            seq.state.advance([last])
+            pending = [sampler(rows[0], history())]
         else:
             pending = [sampler(step(last, seq.state), history())]
         if speculator is not None:
+            speculator.hidden(hidden[:len(pending)])
             speculator.record(len(drafts), len(pending) - 1, time.perf_counter() - tic)

@@ -20,6 +20,7 @@ import torch
 from moestream.config import EngineConfig
 from moestream.engine import generate as gen
 from moestream.engine.decode import Decoder
+from moestream.engine.drafting import HeadDecoder, HeadDrafts
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.memory import activation_bytes, dense_bytes, plan_gpu, state_bytes
 from moestream.engine.prefix_cache import PrefixCache
@@ -29,11 +30,21 @@ from moestream.errors import BudgetError, ConfigError, MoestreamError, RequestEr
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
 from moestream.layers.context import StepContext
+from moestream.models import model_class
 from moestream.sampling import SamplingParams
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_mtp_head(store) -> None:
+    model_type = store.model.model_type
+    if not any(layer < 0 for layer in store.manifest.geometry.layer_ids):
+        raise ConfigError(f"--spec mtp: this {model_type} store has no MTP head (its checkpoint had no mtp.* "
+                          "tensors); use --spec lookup")
+    if not model_class(store.model).mtp_layout:
+        raise ConfigError(f"--spec mtp: moestream does not run {model_type}'s MTP head yet; use --spec lookup")
 
 
 class LLM:
@@ -46,9 +57,9 @@ class LLM:
         device = cfg.device or default_device()
         if device == "cuda" and not torch.cuda.is_available():
             raise MoestreamError("--device cuda was asked for, but no CUDA device is available")
-        if cfg.speculation == "mtp":
-            raise ConfigError("--spec mtp: MTP drafting is not built yet; use --spec lookup")
         self.store = open_store(store)
+        if cfg.speculation == "mtp":
+            _check_mtp_head(self.store)
         dtype = cfg.dtype or ("bfloat16" if device == "cuda" else "float32")
         cfg = dataclasses.replace(cfg, device=device, dtype=dtype, expert=self._precisions(store, cfg.expert))
         self.engine_config, self.device, self.dtype = cfg, torch.device(device), getattr(torch, cfg.dtype)
@@ -58,6 +69,9 @@ class LLM:
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model = load_model(self.store, self.device, self.dtype, cfg.ngram_tier, cfg.expert.host_gb * 1e9)
+        if cfg.speculation == "mtp" and not hasattr(self.model, "mtp"):
+            raise ConfigError("--spec mtp: this store's MTP head does not load (want one layer and mtp.fc.weight); "
+                              "use --spec lookup")
         if cfg.max_drafts and any(t.host is None for t in ngram_tables(self.model)):
             raise ConfigError("--spec needs the n-gram tables in host memory (--ngram-tier host): a verify step "
                               "reads several tokens' rows in place")
@@ -74,6 +88,8 @@ class LLM:
         self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})
         self.spec_stats, self.depth = SpecStats(), Depth(cfg.max_drafts, cfg.drafts)
         self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts)
+        self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \
+            if cfg.speculation == "mtp" and cfg.max_drafts else None
         self._tokenizer = None
         if cfg.preload if cfg.preload is not None else cuda:
             from moestream.engine.progress import progress_bar
@@ -89,6 +105,7 @@ class LLM:
             gc.freeze()
         for table in ngram_tables(self.model):  # the warm-up's rows are not a request's
             table.reset_counts()
+        self.spec_stats, self.depth = SpecStats(), Depth(cfg.max_drafts, cfg.drafts)  # nor its drafts
         if cfg.prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk)
         self.peak_gpu_bytes = (torch.cuda.max_memory_allocated(self.device) - baseline) if cuda else None
@@ -133,6 +150,8 @@ class LLM:
                 ctx = StepContext.eager(0, len(ids), self.device, ExpertStep(scratch=True))
                 self.model(ids.to(self.device), state, ctx)
             self.decoder.warm()
+            if self.head is not None:
+                self.head.warm()
             if self.provider.pool.resident == self.provider.geometry.num_records:
                 with self.provider.uncounted():
                     self.generate([prompt.tolist()], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -180,6 +199,8 @@ class LLM:
                 raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, context - len(ids)))
         state = self.decoder.new_state()
+        if self.head is not None:
+            state.draft = self.head.new_state()
         cached = self.prefix_cache.restore(ids, state) if self.prefix_cache else 0
         seq = gen.Sequence(list(ids), params, state)
         seq.timings.cached_tokens = cached
@@ -187,7 +208,10 @@ class LLM:
 
     def _run(self, seq: gen.Sequence, cancelled=None) -> Iterator[gen.Step]:
         keep = self.prefix_cache.insert if self.prefix_cache else None
-        speculator = Speculator(self.depth, self.spec_stats, seq.prompt) if self.engine_config.max_drafts else None
+        speculator = None
+        if self.engine_config.max_drafts:
+            head = HeadDrafts(self.head, seq.state.draft) if self.head is not None else None
+            speculator = Speculator(self.depth, self.spec_stats, seq.prompt, head)
         yield from gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
                            self.decoder.step, on_boundary=keep, cancelled=cancelled, verify=self.decoder.forward,
                            speculator=speculator)
@@ -244,7 +268,8 @@ class LLM:
         return {"budget": self.engine_config.gpu_gb and int(self.engine_config.gpu_gb * 1e9),
                 "dense": dense_bytes(self.model), "pool": pool.num_slots * pool.stride,
                 "ring": pool.ring_slots * pool.stride,
-                "decode_state": state_bytes(self.model, self.dtype, state.capacity, self.decoder.max_rows)
+                "decode_state": state_bytes(self.model, self.dtype, state.capacity, self.decoder.max_rows,
+                                            self.head is not None)
                 if state is not None else None,
                 "activations_estimate": activation_bytes(self.config, self.engine_config.prefill_chunk, self.dtype),
                 "ngram_tables": sum(t.staging.numel() for t in ngram_tables(self.model) if t.staging is not None),
@@ -256,6 +281,6 @@ class LLM:
         if self.provider is None:
             return
         self.provider.close()
-        self.decoder = self.provider = self.model = self.prefix_cache = None
+        self.decoder = self.head = self.provider = self.model = self.prefix_cache = None
         gc.unfreeze()
         gc.collect()

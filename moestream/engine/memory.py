@@ -33,14 +33,16 @@ def dense_bytes(model: CausalLM) -> int:
     return tensor_bytes(t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta")
 
 
-def state_bytes(model: CausalLM, dtype: torch.dtype, rows: int, verify_rows: int = 1) -> int:
+def state_bytes(model: CausalLM, dtype: torch.dtype, rows: int, verify_rows: int = 1, head: bool = False) -> int:
     """A decode state reserved for `rows` positions, with per-row copies of its recurrent states for verify steps
-    of `verify_rows` rows, sized on the meta device (nothing is allocated)."""
-    state = model.new_state(dtype, torch.device("meta"))
-    state.reserve(rows)
-    if verify_rows > 1:
-        state.reserve_rows(verify_rows)
-    total, todo = 0, list(state.layers)
+    of `verify_rows` rows and, with `head`, the MTP head's cache, sized on the meta device (nothing is allocated)."""
+    meta = torch.device("meta")
+    states = [model.new_state(dtype, meta)] + ([model.mtp.new_state(dtype, meta)] if head else [])
+    for state in states:
+        state.reserve(rows)
+        if verify_rows > 1:
+            state.reserve_rows(verify_rows)
+    total, todo = 0, [layer for state in states for layer in state.layers]
     while todo:
         part = todo.pop()
         for value in vars(part).values():
@@ -81,7 +83,8 @@ class GpuPlan:
 def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype: torch.dtype) -> GpuPlan:
     """Split `cfg.gpu_gb` into parts; refuses a budget whose pool cannot hold one decode step's records."""
     budget = int(cfg.gpu_gb * 1e9)
-    plan = GpuPlan(dense_bytes(model), state_bytes(model, dtype, cfg.max_context, 1 + cfg.max_drafts),
+    plan = GpuPlan(dense_bytes(model), state_bytes(model, dtype, cfg.max_context, 1 + cfg.max_drafts,
+                                                  cfg.speculation == "mtp" and cfg.max_drafts > 0),
                    activation_bytes(model.config, cfg.prefill_chunk, dtype), cfg.expert.ring_slots * stride, 0)
     plan.pool = budget - plan.dense - plan.state - plan.activations - plan.ring
     if cfg.expert.pool_gb is not None:

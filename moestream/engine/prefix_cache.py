@@ -9,9 +9,10 @@ decoder's buffers, which its captured graph reads), and attention caches get bac
 when the snapshot was taken (the CUDA decoder attends over the whole buffer, so its size must match).
 
 Keys are a chain hash of token blocks (block i's key covers tokens [0, (i+1) * chunk)); a hit is also
-checked token by token. Snapshots live in host memory (they must not take GPU memory from the expert
-pool) and are copied back to the device on a hit. Only the engine thread calls `restore` and `insert`;
-`stats()` may be read from any thread.
+checked token by token. With MTP drafting a snapshot holds the head's cache too, and a boundary where the head
+still waits on the next token (the prompt's end) is not kept. Snapshots live in host memory (they must not take
+GPU memory from the expert pool) and are copied back to the device on a hit. Only the engine thread calls
+`restore` and `insert`; `stats()` may be read from any thread.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class PrefixCache:
         """Called by prefill at each boundary: keep a snapshot of `state` unless one is cached already."""
         boundary = state.length
         if boundary == 0 or boundary % self.chunk:
+            return
+        if state.draft is not None and state.draft.length != boundary:  # the MTP head waits on the next token
             return
         key = block_keys(state.tokens, self.chunk, boundary // self.chunk)[-1]
         with self.lock:

@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from moestream.engine.drafting import HeadDrafts
 from moestream.engine.lookup import PromptLookup
 from moestream.sampling import Sampler
 
@@ -87,23 +88,26 @@ ROW_FLOOR = 0.02  # the least a verify row costs, relative to a one-row step
 
 
 class Depth:
-    """How many drafts to verify next: the k that maximises expected tokens per second, (1 - a^(k+1)) / (1 - a)
-    over the measured cost of a (k+1)-row step, with `a` the recent per-draft acceptance. It falls to 0 when drafts
-    stop paying, and tries one draft after `probe` plain steps to notice when they pay again, waiting twice as long
-    after each probe that kept nothing (up to 32x)."""
+    """How many drafts to verify next: the k that maximises expected tokens per second, 1 + a_1 + a_1 a_2 + ... +
+    a_1...a_k over the measured cost of a (k+1)-row step, with a_i the recent acceptance of draft i given draft i-1
+    kept (per position: an MTP head's chained drafts are kept far less often than its first). It falls to 0 when
+    drafts stop paying, and tries one draft after `probe` plain steps to notice when they pay again, waiting twice
+    as long after each probe that kept nothing (up to 32x)."""
 
     def __init__(self, max_drafts: int, fixed: int | None = None, decay: float = 0.9, probe: int = 32,
                  cost_prior: float = 0.1):
         self.max_drafts, self.fixed, self.decay, self.probe = max_drafts, fixed, decay, probe
-        self.hits, self.trials = 1.0, 2.0  # decayed counts of drafts kept / drafts judged; a prior of 1 in 2
+        # per draft position, decayed counts of drafts kept / drafts judged
+        self.hits, self.trials = [0.0] * max_drafts, [0.0] * max_drafts
         self.cost = {k: 1.0 + cost_prior * k for k in range(max_drafts + 1)}  # relative to a 1-row step
         self.measured: dict[int, float] = {}  # depth -> smoothed seconds
         self.since_drafts, self.wait = 0, probe
 
     def update(self, drafts: int, kept: int, seconds: float) -> None:
-        if drafts:  # a draft after the first rejected one is not judged
-            self.hits = self.decay * self.hits + kept
-            self.trials = self.decay * self.trials + min(kept + 1, drafts)
+        if drafts:
+            for i in range(min(kept + 1, drafts)):  # a draft after the first rejected one is not judged
+                self.hits[i] = self.decay * self.hits[i] + (i < kept)
+                self.trials[i] = self.decay * self.trials[i] + 1
             self.since_drafts = 0
             self.wait = self.probe if kept else min(2 * self.wait, 32 * self.probe)
         else:
@@ -115,29 +119,40 @@ class Depth:
                 ratio = self.measured[k] / self.measured[0] if k in self.measured else self.cost[k]
                 self.cost[k] = max(ratio, self.cost[k - 1] + ROW_FLOOR)
 
-    @property
-    def acceptance(self) -> float:
-        return self.hits / self.trials
+    def expected_tokens(self, k: int) -> float:
+        """The tokens a step of k drafts yields on average."""
+        total, kept, rate = 1.0, 1.0, 0.5
+        for i in range(k):  # two steps' worth of prior: 1 in 2 for the first draft, the one before's for the rest
+            rate = (self.hits[i] + 2 * rate) / (self.trials[i] + 2)
+            kept *= rate
+            total += kept
+        return total
 
     def next(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        a = min(self.acceptance, 0.999)
-        best = max(range(self.max_drafts + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / self.cost[k])
+        best = max(range(self.max_drafts + 1), key=lambda k: self.expected_tokens(k) / self.cost[k])
         if best == 0 and self.max_drafts and self.since_drafts >= self.wait:
             return 1
         return best
 
 
 class Speculator:
-    """One sequence's drafts: prompt lookup over its tokens so far, at the depth `depth` chooses (the engine's, so
-    that what drafts earned on earlier requests carries over); each step's outcome goes to the depth and to the
-    engine's `stats`."""
+    """One sequence's drafts: prompt lookup over its tokens so far, or the MTP head's (`head`, engine/drafting.py),
+    at the depth `depth` chooses (the engine's, so that what drafts earned on earlier requests carries over); each
+    step's outcome goes to the depth and to the engine's `stats`."""
 
-    def __init__(self, depth: Depth, stats: SpecStats, prompt: list[int]):
-        self.depth, self.stats, self.prompt = depth, stats, len(prompt)
+    def __init__(self, depth: Depth, stats: SpecStats, prompt: list[int], head: HeadDrafts | None = None):
+        self.depth, self.stats, self.prompt, self.head = depth, stats, prompt, head
         self.lookup = PromptLookup()
         self.lookup.reset(prompt)
+
+    def hidden(self, rows: torch.Tensor) -> None:
+        """The trunk's final hidden states of its next positions (a prefill chunk's, a step's kept rows): the MTP
+        head sees those whose next token the prompt holds now, the rest when drafts are next wanted."""
+        if self.head is not None:
+            self.head.extend(rows)
+            self.head.catch_up(self.prompt)
 
     def propose(self, generated: list[int], limit: int) -> list[int]:
         """Up to `limit` drafts to follow the prompt and `generated`; none without a host pass over the tokens
@@ -145,7 +160,9 @@ class Speculator:
         k = min(self.depth.next(), limit)
         if k <= 0:
             return []
-        self.lookup.extend(generated[len(self.lookup.tokens) - self.prompt:])
+        if self.head is not None:
+            return self.head.propose(self.prompt + generated, k)
+        self.lookup.extend(generated[len(self.lookup.tokens) - len(self.prompt):])
         return self.lookup.propose(k)
 
     def record(self, drafts: int, kept: int, seconds: float) -> None:

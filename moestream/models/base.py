@@ -36,20 +36,25 @@ class ModelSpec:
 
 @dataclass
 class SequenceState:
-    """Everything a sequence carries between forwards: per-layer caches and the tokens so far."""
+    """Everything a sequence carries between forwards: per-layer caches and the tokens so far; with MTP drafting,
+    the head's own state as `draft` (its length trails the trunk's: the head steps after it)."""
 
     layers: list
     length: int = 0
     tokens: list[int] = field(default_factory=list)
+    draft: SequenceState | None = None
 
     def snapshot(self) -> SequenceState:
-        return SequenceState([s.snapshot() for s in self.layers], self.length, list(self.tokens))
+        return SequenceState([s.snapshot() for s in self.layers], self.length, list(self.tokens),
+                             self.draft.snapshot() if self.draft is not None else None)
 
     def load(self, other: SequenceState) -> None:
         """Become `other` (a snapshot, perhaps on the host), copying into this state's own buffers."""
         for s, o in zip(self.layers, other.layers):
             s.load(o)
         self.length, self.tokens = other.length, list(other.tokens)
+        if self.draft is not None and other.draft is not None:
+            self.draft.load(other.draft)
 
     @property
     def capacity(self) -> int:
@@ -66,6 +71,8 @@ class SequenceState:
         for s in self.layers:
             s.reset()
         self.length, self.tokens = 0, []
+        if self.draft is not None:
+            self.draft.reset()
 
     def reserve_rows(self, rows: int) -> None:
         """Room for the recurrent states after each row of a verify step of `rows` rows (layers/rows.py)."""

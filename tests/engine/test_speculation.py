@@ -83,6 +83,19 @@ def test_depth_grows_when_drafts_are_kept_and_cheap():
     assert Depth(max_drafts=4, fixed=2).next() == 2
 
 
+def test_depth_stops_where_chained_drafts_stop_paying():
+    """An MTP head's first draft kept 9 times in 10, the drafts chained after it 2 in 10: one draft pays, more
+    do not, at rows costing 30% each."""
+    depth = Depth(max_drafts=4)
+    depth.update(0, 0, 1.0)
+    for i in range(60):
+        k = depth.next()
+        kept = 0 if i % 10 == 0 else 1 + (k > 1 and i % 5 == 1)
+        depth.update(k, min(kept, k), 1.0 + 0.3 * k)
+    assert depth.next() == 1
+    assert depth.expected_tokens(1) > 1.8 and depth.expected_tokens(2) < depth.expected_tokens(1) + 0.4
+
+
 def test_stats_count_per_draft_position():
     stats = SpecStats()
     stats.record(3, 1, 0.01)

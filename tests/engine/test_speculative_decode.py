@@ -96,7 +96,8 @@ def test_prompt_lookup_keeps_the_plain_tokens(tiny):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(speculation="mtp"), "--spec mtp: MTP drafting is not built yet; use --spec lookup"),
+    (dict(speculation="mtp"), "--spec mtp: this qwen4_exp store has no MTP head (its checkpoint had no mtp.* "
+                              "tensors); use --spec lookup"),
     (dict(speculation="lookup", ngram_tier="disk"), "--spec needs the n-gram tables in host memory"),
     (dict(speculation="lookup", drafts=5), "--drafts 5: choose 0..4"),
     (dict(speculation="draft"), "speculation 'draft': choose off, lookup, mtp"),
