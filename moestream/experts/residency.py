@@ -92,8 +92,8 @@ class Residency:
         read. A pool record is a hit; any other a miss read in place from the host tier, as the table points."""
         if not self._addressed:
             return
-        # [one-row steps, layers, top_k]
-        ids = torch.cat([r.view(r.shape[0], -1, self.top_k).transpose(0, 1) for r in self._addressed]).cpu()
+        ids = torch.cat(self._addressed, dim=1).cpu()  # [layers, one-row steps * top_k], in step order
+        ids = ids.view(ids.shape[0], -1, self.top_k).transpose(0, 1)  # [steps, layers, top_k]
         self._addressed = []
         ran = ids[..., 0] >= 0  # [steps, layers]
         if self.trace is not None:  # in step order: a host step flushes these before it runs
