@@ -96,7 +96,7 @@ class Depth:
     a_1...a_k over the measured cost of a (k+1)-row step, with a_i the recent acceptance of draft i given draft i-1
     kept (per position: an MTP head's chained drafts are kept far less often than its first). It falls to 0 when
     drafts stop paying, and tries one draft after `probe` plain steps to notice when they pay again, waiting twice
-    as long after each probe that kept nothing (up to 32x)."""
+    as long after each probe that did not make them pay (up to 32x)."""
 
     def __init__(self, max_drafts: int, fixed: int | None = None, decay: float = 0.9, probe: int = 32,
                  cost_prior: float = 0.1):
@@ -113,7 +113,6 @@ class Depth:
                 self.hits[i] = self.decay * self.hits[i] + (i < kept)
                 self.trials[i] = self.decay * self.trials[i] + 1
             self.since_drafts = 0
-            self.wait = self.probe if kept else min(2 * self.wait, 32 * self.probe)
         else:
             self.since_drafts += 1
         old = self.measured.get(drafts)
@@ -122,6 +121,8 @@ class Depth:
             for k in range(1, self.max_drafts + 1):
                 ratio = self.measured[k] / self.measured[0] if k in self.measured else self.cost[k]
                 self.cost[k] = max(ratio, self.cost[k - 1] + ROW_FLOOR)
+        if drafts:  # back to the first pace only once drafts pay; a kept draft that costs more than it yields waits
+            self.wait = self.probe if self._best() else min(2 * self.wait, 32 * self.probe)
 
     def expected_tokens(self, k: int) -> float:
         """The tokens a step of k drafts yields on average."""
@@ -132,10 +133,13 @@ class Depth:
             total += kept
         return total
 
+    def _best(self) -> int:
+        return max(range(self.max_drafts + 1), key=lambda k: self.expected_tokens(k) / self.cost[k])
+
     def next(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        best = max(range(self.max_drafts + 1), key=lambda k: self.expected_tokens(k) / self.cost[k])
+        best = self._best()
         if best == 0 and self.max_drafts and self.since_drafts >= self.wait:
             return 1
         return best

@@ -83,6 +83,20 @@ def test_depth_grows_when_drafts_are_kept_and_cheap():
     assert Depth(max_drafts=4, fixed=2).next() == 2
 
 
+def test_probes_back_off_while_kept_drafts_cost_more_than_they_yield():
+    """Every draft kept, but a two-row step costs 2.5 plain ones: probes come ever further apart."""
+    depth = Depth(max_drafts=4, probe=8)
+    depth.update(0, 0, 1.0)
+    chosen = []
+    for _ in range(600):
+        k = depth.next()
+        chosen.append(k)
+        depth.update(k, k, 1.0 + 1.5 * k)
+    probes = [i for i, k in enumerate(chosen) if k]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert set(chosen[40:]) == {0, 1} and gaps[-1] > 4 * gaps[0], gaps
+
+
 def test_depth_stops_where_chained_drafts_stop_paying():
     """An MTP head's first draft kept 9 times in 10, the drafts chained after it 2 in 10: one draft pays, more
     do not, at rows costing 30% each."""
