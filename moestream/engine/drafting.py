@@ -64,7 +64,7 @@ class HeadDrafts:
         n = min(self.unseen_rows, len(tokens) - 1 - start)
         if n <= 0:
             return None
-        hidden = torch.cat(self.unseen) if len(self.unseen) > 1 else self.unseen[0]
+        hidden = torch.cat(self.unseen)
         rows, rest = hidden[:n], hidden[n:]
         self.unseen, self.unseen_rows = ([rest] if len(rest) else []), len(rest)
         ids = tokens[start + 1: start + 1 + n]

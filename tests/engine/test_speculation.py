@@ -57,18 +57,28 @@ def test_acceptance_honours_top_k():
         assert accept(sampler, TARGETS[:2].log(), [1], [])[0] == 0  # top-k 1: the draft is never drawable
 
 
-def test_depth_falls_to_zero_when_every_draft_is_rejected_and_probes():
-    depth = Depth(max_drafts=4, probe=8)
+def _drive(depth: Depth, steps: int, kept, cost) -> list[int]:
+    """The depth chosen at each of `steps` steps, each keeping kept(k) of its k drafts at cost(k) seconds."""
     depth.update(0, 0, 1.0)
     chosen = []
-    for _ in range(1500):
+    for _ in range(steps):
         k = depth.next()
         chosen.append(k)
-        depth.update(k, 0, 1.0 + 0.1 * k)
+        depth.update(k, kept(k), cost(k))
+    return chosen
+
+
+def _gaps(chosen: list[int], after: int = 0) -> list[int]:
+    probes = [i for i, k in enumerate(chosen) if k and i >= after]
+    return [b - a for a, b in zip(probes, probes[1:])]
+
+
+def test_depth_falls_to_zero_when_every_draft_is_rejected_and_probes():
+    depth = Depth(max_drafts=4, probe=8)
+    chosen = _drive(depth, 1500, lambda k: 0, lambda k: 1.0 + 0.1 * k)
     assert depth.next() == 0 and set(chosen[40:]) == {0, 1}  # a cheap probe now and then
-    probes = [i for i, k in enumerate(chosen) if k and i >= 40]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]  # each further from the last while none pays, up to 32x
-    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] == 32 * 8 + 1
+    gaps = _gaps(chosen, 40)  # each further from the last while none pays, up to 32x
+    assert len(gaps) >= 2 and gaps == sorted(gaps) and gaps[-1] == 32 * 8 + 1
     depth.update(1, 1, 1.1)  # a probe that paid: probing at the first pace again
     assert depth.wait == depth.probe
 
@@ -85,15 +95,8 @@ def test_depth_grows_when_drafts_are_kept_and_cheap():
 
 def test_probes_back_off_while_kept_drafts_cost_more_than_they_yield():
     """Every draft kept, but a two-row step costs 2.5 plain ones: probes come ever further apart."""
-    depth = Depth(max_drafts=4, probe=8)
-    depth.update(0, 0, 1.0)
-    chosen = []
-    for _ in range(600):
-        k = depth.next()
-        chosen.append(k)
-        depth.update(k, k, 1.0 + 1.5 * k)
-    probes = [i for i, k in enumerate(chosen) if k]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    chosen = _drive(Depth(max_drafts=4, probe=8), 600, lambda k: k, lambda k: 1.0 + 1.5 * k)
+    gaps = _gaps(chosen)
     assert set(chosen[40:]) == {0, 1} and gaps[-1] > 4 * gaps[0], gaps
 
 
