@@ -354,6 +354,7 @@ DECODE_MODES = ("graph", "eager", "handshake")
 NGRAM_TIERS = ("auto", "host", "disk")
 SPECULATION = ("off", "lookup", "mtp")
 MAX_DRAFTS = 4
+MAX_BATCH = 16  # a batched step's rows keep the bits of single steps up to the decode kernels' tile (kernels/ops.py)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -423,6 +424,9 @@ class EngineConfig:
     # head), verified k+1 rows a step; `drafts` fixes k (0..MAX_DRAFTS), None chooses it per step
     speculation: str = "off"
     drafts: int | None = None
+    # sequences decoded together (continuous batching; engine/scheduler.py): each holds a decode state of
+    # `max_context` rows once it runs; 1 with speculation, or with a PLE table on disk
+    max_batch: int = 16
 
     def __post_init__(self):
         _check(self.device in (None, "cuda", "cpu"), f"device {self.device!r}: choose cuda or cpu")
@@ -435,6 +439,8 @@ class EngineConfig:
         _check(self.ngram_tier in NGRAM_TIERS, f"ngram_tier {self.ngram_tier!r}: choose {', '.join(NGRAM_TIERS)}")
         _check(self.speculation in SPECULATION,
                f"speculation {self.speculation!r}: choose {', '.join(SPECULATION)}")
+        _check(isinstance(self.max_batch, int) and 1 <= self.max_batch <= MAX_BATCH,
+               f"--max-batch {self.max_batch!r}: choose 1..{MAX_BATCH}")
         _check(self.drafts is None or (isinstance(self.drafts, int) and 0 <= self.drafts <= MAX_DRAFTS),
                f"--drafts {self.drafts!r}: choose 0..{MAX_DRAFTS}")
 

@@ -75,6 +75,11 @@ class Sampler:
         p = self.p
         return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
+    @property
+    def greedy(self) -> bool:
+        """Plain greedy: the token is the logits' argmax, whatever came before."""
+        return self.p.temperature == 0 and not self.needs_history
+
     def __call__(self, logits: torch.Tensor, previous: list[int]) -> int:
         """logits [vocab] float32 -> the next token id; `previous` (the tokens so far) matters only to the
         penalties."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moestream.config import DECODE_MODES, MAX_DRAFTS, SPECULATION, EngineConfig
+from moestream.config import DECODE_MODES, MAX_BATCH, MAX_DRAFTS, SPECULATION, EngineConfig
 
 DEFAULTS = EngineConfig()
 
@@ -50,11 +50,14 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
     p.add_argument("--drafts", type=int, choices=range(MAX_DRAFTS + 1), metavar=f"0..{MAX_DRAFTS}",
                    help=f"drafts a verify step checks (default: chosen each step from the acceptance, up to "
                         f"{MAX_DRAFTS})")
+    p.add_argument("--max-batch", type=int, choices=range(1, MAX_BATCH + 1), metavar=f"1..{MAX_BATCH}",
+                   help=f"sequences decoded together, each with a decode state of --max-context rows (default "
+                        f"{defaults.max_batch}; 1 with --spec)")
 
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",
                "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "prefill_chunk",
-               "prefix_cache_mb", "decode_mode", "speculation", "drafts")
+               "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

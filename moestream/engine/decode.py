@@ -7,8 +7,10 @@ pool, or the rest read in place from the pinned host tier) the step is a CUDA gr
 (at load) over the decoder's own sequence state, which every new sequence reuses; otherwise the step runs eagerly,
 routing each layer through the host. Both give the same bits, so the output does not depend on what was resident.
 A verify step (speculative decoding) is the same static step over k+1 rows, one graph per row count, whose rows
-have the bits of single steps; the caller keeps a prefix of them (`SequenceState.accept`). On the CPU a step is
-the plain eager forward, or the static one where verify steps are wanted.
+have the bits of single steps; the caller keeps a prefix of them (`SequenceState.accept`). A batched step is the
+same static step over one row of each of several sequences (`step_batch`), each row on its own sequence's state;
+the decoder keeps one state per batch slot, and a batch of the first n slots replays its own graph. On the CPU a
+step is the plain eager forward, or the static one where verify or batched steps are wanted.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from moestream.config import EngineConfig
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.layers.context import StepContext
+from moestream.layers.rows import Batched
 from moestream.models.base import CausalLM, SequenceState
 
 
@@ -36,37 +39,50 @@ class StepInputs:
 
 class Decoder:
     def __init__(self, model: CausalLM, provider: ExpertProvider, cfg: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, static: bool | None = None, max_rows: int = 1):
+                 dtype: torch.dtype, static: bool | None = None, max_rows: int = 1, max_batch: int = 1):
         """`static`: whether steps have static shapes (default: on CUDA, when the model is graph-safe, or where
-        verify steps are wanted; the CPU tests ask for them to run the GPU's step with the reference kernels).
-        `max_rows`: the most rows a verify step has (1 + drafts)."""
+        verify or batched steps are wanted; the CPU tests ask for them to run the GPU's step with the reference
+        kernels). `max_rows`: the most rows a verify step has (1 + drafts); `max_batch`: a batched step's."""
         self.model, self.provider, self.mode, self.max_context = model, provider, cfg.decode_mode, cfg.max_context
-        self.device, self.dtype, self.max_rows = device, dtype, max_rows
-        self.static = (device.type == "cuda" or max_rows > 1) if static is None else static
+        self.device, self.dtype, self.max_rows, self.max_batch = device, dtype, max_rows, max_batch
+        self.static = (device.type == "cuda" or max_rows > 1 or max_batch > 1) if static is None else static
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the first row's
-        self.inputs: dict[int, StepInputs] = {}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # rows -> its graph
+        self.inputs: dict[tuple[int, bool], StepInputs] = {}
+        # (rows, batched) -> its graph, its output buffers and the capacities of the states it was captured over
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]] = {}
         self.graph_replays = 0
-        self.graph_capacity = None  # the state's capacity when the graphs were captured
-        self.state = None  # the static steps' own state, which the graphs read and write
+        self.slots: list[SequenceState] = []  # the static steps' own states, which the graphs read and write
         if self.static:
-            self.state = self._static_state()
+            self.slots.append(self._static_state())
+
+    @property
+    def state(self) -> SequenceState | None:
+        """Slot 0's state: a lone sequence's, which the one-row and verify graphs step."""
+        return self.slots[0] if self.slots else None
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
         """The one-row step's graph."""
-        return self.graphs[1][0] if 1 in self.graphs else None
+        return self.graphs[1, False][0] if (1, False) in self.graphs else None
 
-    def new_state(self) -> SequenceState:
-        """A state for a new sequence: with static steps the decoder's own (reset), so one captured graph serves
-        every sequence; else a fresh one. A cache grown past `max_context` is made anew: its capacity sets the
+    def new_state(self, slot: int = 0) -> SequenceState:
+        """A state for a new sequence: with static steps batch slot `slot`'s own (reset), so that captured graphs
+        serve every sequence; else a fresh one. A cache grown past `max_context` is made anew: its capacity sets the
         attention's split, so every sequence starts at the same one."""
         if not self.static:
             return self._new_state()
-        if self.state.capacity != self.capacity:
-            self.state, self.graphs = self._static_state(), {}
-        self.state.reset()
-        return self.state
+        while len(self.slots) <= slot:
+            self.slots.append(self._static_state())
+        if self.slots[slot].capacity != self.capacity:
+            self.slots[slot] = self._static_state()
+        self.slots[slot].reset()
+        return self.slots[slot]
+
+    def move(self, source: int, target: int) -> SequenceState:
+        """Slot `source`'s sequence moved to slot `target` (a copy of its used rows); returns its state there."""
+        state = self.new_state(target)
+        state.load(self.slots[source])
+        return state
 
     def step(self, token: int, state: SequenceState) -> torch.Tensor:
         """Feed one token; returns the next logits [vocab] (float32)."""
@@ -85,26 +101,53 @@ class Decoder:
         advances the state (`state.advance`, or `state.accept` after a verify step). `hidden`: the MTP head's."""
         rows, start = len(tokens), state.length if start is None else start
         assert self.static and rows <= self.max_rows
-        if state.capacity < self.max_context:  # another state (tests): attended over as the decoder's own
-            state.reserve(self.max_context)
-        if start + rows > state.capacity:
-            state.reserve(2 * max(state.capacity, start + rows))
-        if state is self.state and state.capacity != self.graph_capacity:
-            self.graphs = {}  # their buffers moved: a step grew them, or a prompt past max_context did
-        inputs = self._inputs(rows)
+        self._make_room(state, start + rows)
+        inputs = self._inputs(rows, False)
         self._load(inputs, tokens, state, hidden)
         self.position.fill_(start)
+        return self._step((rows, False), [state], state)
+
+    @torch.inference_mode()
+    def step_batch(self, tokens: list[int], states: list[SequenceState]) -> torch.Tensor:
+        """One token for each of several sequences, `tokens[r]` after `states[r]`'s, in one static step whose rows
+        have the bits of single steps; returns their logits [rows, vocab] (float32) and advances the states."""
+        rows = len(tokens)
+        assert self.static and 1 < rows <= self.max_batch
+        for state in states:
+            self._make_room(state, state.length + 1)
+        inputs = self._inputs(rows, True)
+        inputs.tokens.copy_(torch.tensor(tokens))
+        inputs.positions.copy_(torch.tensor([s.length for s in states]))
+        view = SequenceState([Batched(layers) for layers in zip(*(s.layers for s in states))])
+        logits = self._step((rows, True), states, view)[1]
+        for state, token in zip(states, tokens):
+            state.advance([token])
+        return logits
+
+    def _make_room(self, state: SequenceState, end: int) -> None:
+        if state.capacity < self.max_context:  # another state (tests): attended over as the decoder's own
+            state.reserve(self.max_context)
+        if end > state.capacity:
+            state.reserve(2 * max(state.capacity, end))
+
+    def _step(self, key: tuple[int, bool], states: list[SequenceState], view: SequenceState):
+        """Replay the step's graph when it was captured over these states' buffers, else run it (and capture it
+        when its rows are the first slots and every record is addressable)."""
+        rows, batched = key
+        own = all(s is slot for s, slot in zip(states, self.slots)) and len(states) <= len(self.slots)
+        capacities = tuple(s.capacity for s in states)
         addresses = self.provider.address_table() if self.mode != "handshake" else None
-        if addresses is not None and rows in self.graphs and state is self.state:
-            graph, hidden, logits = self.graphs[rows]
+        captured = self.graphs.get(key)
+        if addresses is not None and own and captured is not None and captured[3] == capacities:
+            graph, hidden, logits, _ = captured
             graph.replay()
             self.graph_replays += 1
-        else:
-            hidden, logits = self._run(rows, state, addresses)
-            if addresses is not None and self.mode == "graph" and state is self.state:
-                self._capture(rows, addresses)  # after one eager run: compiled, allocated
+        else:  # a graph over moved buffers (a state grew, or a prompt past max_context did) is captured anew
+            hidden, logits = self._run(key, view, addresses)
+            if addresses is not None and self.mode == "graph" and own:
+                self._capture(key, view, addresses, capacities)  # after one eager run: compiled, allocated
         if addresses is not None:  # the provider saw none of this step's lookups
-            self.provider.note_addressed(inputs.routed)
+            self.provider.note_addressed(self._inputs(*key).routed)
         return hidden.clone(), logits.clone()  # a replay overwrites the graph's output buffers
 
     def warm(self) -> None:
@@ -115,23 +158,29 @@ class Decoder:
         with torch.inference_mode():
             self.position.fill_(0)
             for rows in range(1, self.max_rows + 1):
-                self._run(rows, self.state, None, scratch=True)
+                key = (rows, False)
+                self._run(key, self.state, None, scratch=True)
                 addresses = self.provider.address_table() if self.mode == "graph" else None
                 if addresses is not None:
-                    self._run(rows, self.state, addresses)
-                    self._capture(rows, addresses)
-                    self.graphs[rows][0].replay()  # the first replay uploads the graph
+                    self._run(key, self.state, addresses)
+                    self._capture(key, self.state, addresses, (self.state.capacity,))
+                    self.graphs[key][0].replay()  # the first replay uploads the graph
+            for rows in range(2, self.max_batch + 1):  # compiled only: a batch's graph is captured on first use
+                view = SequenceState([Batched([layer] * rows) for layer in self.state.layers])
+                self._run((rows, True), view, None, scratch=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _inputs(self, rows: int) -> StepInputs:
-        if rows not in self.inputs:
+    def _inputs(self, rows: int, batched: bool) -> StepInputs:
+        """The step's device inputs; a batched step's positions are loaded per step, a verify step's follow the
+        first row's."""
+        if (rows, batched) not in self.inputs:
             offsets = torch.arange(rows, device=self.device)
             routed = torch.full((self.provider.geometry.num_layers, rows * self.model.config.num_experts_per_tok),
                                 -1, dtype=torch.long, device=self.device)
             positions = self.position if rows == 1 else torch.zeros_like(offsets)
-            self.inputs[rows] = StepInputs(torch.zeros_like(offsets), positions, offsets, routed)
-        return self.inputs[rows]
+            self.inputs[rows, batched] = StepInputs(torch.zeros_like(offsets), positions, offsets, routed)
+        return self.inputs[rows, batched]
 
     def _load(self, inputs: StepInputs, tokens: list[int], state: SequenceState, hidden) -> None:
         if len(tokens) == 1:
@@ -146,21 +195,22 @@ class Decoder:
     def _new_state(self) -> SequenceState:
         return self.model.new_state(self.dtype, self.device)
 
-    def _run(self, rows: int, state: SequenceState, addresses: torch.Tensor | None,
+    def _run(self, key: tuple[int, bool], state: SequenceState, addresses: torch.Tensor | None,
              scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = self._inputs(rows)
-        if rows > 1:  # inside a captured graph too: the rows' positions follow the device-side start
+        rows, batched = key
+        inputs = self._inputs(rows, batched)
+        if rows > 1 and not batched:  # inside a captured graph too: the rows' positions follow the device-side start
             torch.add(self.position, inputs.offsets, out=inputs.positions)
         experts = ExpertStep(addresses, inputs.routed if addresses is not None else None, scratch=scratch)
         hidden = self._forward(inputs, state, StepContext(inputs.positions, static=True, experts=experts))
         return hidden, self.model.logits(hidden)
 
-    def _capture(self, rows: int, addresses: torch.Tensor) -> None:
+    def _capture(self, key: tuple[int, bool], state: SequenceState, addresses: torch.Tensor,
+                 capacities: tuple) -> None:
         graph = torch.cuda.CUDAGraph()
-        self.graph_capacity = self.state.capacity
         with torch.cuda.graph(graph):
-            hidden, logits = self._run(rows, self.state, addresses)
-        self.graphs[rows] = graph, hidden, logits
+            hidden, logits = self._run(key, state, addresses)
+        self.graphs[key] = graph, hidden, logits, capacities
 
     def _static_state(self) -> SequenceState:
         state = self._new_state()

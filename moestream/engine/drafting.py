@@ -25,8 +25,8 @@ class HeadDecoder(Decoder):
     """The MTP head's static steps over its own state, a CUDA graph per row count (engine/decode.py's machinery):
     `forward(tokens, state, hidden, start)` with tokens x[t+1] and the trunk's hidden h[t]."""
 
-    def _inputs(self, rows: int) -> StepInputs:
-        inputs = super()._inputs(rows)
+    def _inputs(self, rows: int, batched: bool) -> StepInputs:
+        inputs = super()._inputs(rows, batched)
         if inputs.hidden is None:
             inputs.hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
         return inputs

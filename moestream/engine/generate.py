@@ -1,10 +1,9 @@
-"""The generation loop for one sequence: chunked prefill, then one token per step until a stop, or with
-speculation, a drafted run of them verified in one step."""
+"""One sequence's generation: chunked prefill, then one token per step until a stop, or with speculation, a drafted
+run of them verified in one step."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,79 +49,110 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, device: torch.device,
-            on_boundary=None, cancelled=None, on_hidden=None) -> torch.Tensor | None:
-    """Feed `ids` (the tokens after `state.length`) through the model; returns the last position's logits [vocab],
-    or None when `cancelled()` said so between two chunks.
+def chunk_end(length: int, total: int, chunk: int) -> int:
+    """Where the prefill chunk after `length` of `total` prompt tokens ends: at the next multiple of `chunk` counted
+    from the sequence start, so that a state restored at one continues with exactly the forwards of an uncached
+    run."""
+    return min(total, (length // chunk + 1) * chunk)
 
-    Chunks end at multiples of `chunk` counted from the sequence start, so a state restored at such a
-    boundary continues with exactly the forwards of an uncached run; `on_hidden(hidden)` sees each chunk's final
-    hidden states, then `on_boundary(state)` runs at each boundary."""
-    hidden, start = None, state.length
-    done, end = start, start + len(ids)
-    while done < end:
-        if cancelled is not None and done > start and cancelled():
-            return None
-        stop = min(end, (done // chunk + 1) * chunk)
-        piece = torch.tensor(ids[done - start: stop - start], dtype=torch.long, device=device)
-        hidden = model(piece, state)
-        if on_hidden is not None:
-            on_hidden(hidden)
-        if on_boundary is not None and stop % chunk == 0:
-            on_boundary(state)
-        done = stop
+
+@torch.inference_mode()
+def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, device: torch.device) -> torch.Tensor:
+    """Feed `ids` (the tokens after `state.length`) through the model in chunks; returns the last position's logits
+    [vocab]."""
+    prompt = state.tokens + list(ids)
+    while state.length < len(prompt):
+        stop = chunk_end(state.length, len(prompt), chunk)
+        hidden = model(torch.tensor(prompt[state.length: stop], dtype=torch.long, device=device), state)
     return model.logits(hidden[-1:])[0]
 
 
-@torch.inference_mode()
-def run(model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-        step, on_boundary=None, cancelled=None, verify=None,
-        speculator: Speculator | None = None) -> Iterator[Step]:
-    """Yield generated tokens; `step(token, state) -> logits` is the decode step (engine/decode.py);
-    `on_boundary(state)` sees the state at each prefill chunk boundary (the prefix cache keeps it). With a
-    `speculator`, a step may feed drafts after the token as well: `verify(tokens, state) -> (hidden [T, H], logits
-    [T, vocab])`, of which `accept` keeps a prefix; the speculator sees the hidden states of the prompt and of the
-    kept rows."""
-    p, t = seq.params, seq.timings
-    sampler = Sampler(p, device)
-    start = time.perf_counter()
-    logits = prefill(model, seq.prompt[seq.state.length:], seq.state, chunk, device, on_boundary, cancelled,
-                     speculator.hidden if speculator is not None else None)
-    if logits is None:  # cancelled during the prompt: no token
-        return
-    sync(device)
-    t.prompt_tokens = len(seq.prompt)
-    t.prefill_seconds += time.perf_counter() - start
-    start = time.perf_counter()
-    history = (lambda: seq.prompt + seq.generated) if sampler.needs_history else (lambda: [])
-    pending = [sampler(logits, history())]
-    while True:
-        for token in pending:
-            seq.generated.append(token)
-            t.generated_tokens += 1
-            done = None
-            if token in eos and not p.ignore_eos:
-                done = "stop"
-            elif len(seq.generated) == p.max_tokens:
-                done = "length"
-            t.decode_seconds = time.perf_counter() - start
-            yield Step(token, done)
-            if done:
-                return
-        last, tic = pending[-1], time.perf_counter()
-        drafts = speculator.propose(seq.generated, p.max_tokens - len(seq.generated) - 1) \
-            if speculator is not None else []
+class Generation:
+    """One sequence's generation, stepped by the scheduler (engine/scheduler.py): its prompt a chunk at a time
+    (`prefill_chunk`), then its tokens one per step, alone (`step_alone`, with drafts verified in the same step when
+    there is a `speculator`) or as one row of a batched step (`take`). Each returns the new `Step`s; the last one
+    carries the finish reason."""
+
+    def __init__(self, model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
+                 on_boundary=None, speculator: Speculator | None = None):
+        self.model, self.seq, self.eos, self.chunk, self.device = model, seq, eos, chunk, device
+        self.on_boundary, self.speculator = on_boundary, speculator
+        self.sampler = Sampler(seq.params, device)
+        self.last: int | None = None  # the token the next step feeds
+        self.finish_reason: str | None = None
+        self._decode_start = 0.0
+
+    @property
+    def prefilled(self) -> bool:
+        return self.last is not None
+
+    def _history(self) -> list[int]:
+        return self.seq.prompt + self.seq.generated if self.sampler.needs_history else []
+
+    @torch.inference_mode()
+    def prefill_chunk(self) -> list[Step]:
+        """Feed the prompt up to its next chunk boundary (`chunk_end`); after the last, the first token."""
+        seq, state, t = self.seq, self.seq.state, self.seq.timings
+        tic = time.perf_counter()
+        stop = chunk_end(state.length, len(seq.prompt), self.chunk)
+        piece = torch.tensor(seq.prompt[state.length: stop], dtype=torch.long, device=self.device)
+        hidden = self.model(piece, state)
+        if self.speculator is not None:
+            self.speculator.hidden(hidden)
+        if self.on_boundary is not None and stop % self.chunk == 0:
+            self.on_boundary(state)
+        if stop < len(seq.prompt):
+            t.prefill_seconds += time.perf_counter() - tic
+            return []
+        logits = self.model.logits(hidden[-1:])[0]
+        token = self.sampler(logits, self._history())
+        t.prompt_tokens = len(seq.prompt)
+        t.prefill_seconds += time.perf_counter() - tic
+        self._decode_start = time.perf_counter()
+        return self._take([token])
+
+    def take(self, logits: torch.Tensor) -> list[Step]:
+        """After a batched step that fed `last`: the next token from its row's logits [vocab]."""
+        return self._take([self.sampler(logits, self._history())])
+
+    def take_token(self, token: int) -> list[Step]:
+        """After a batched step that fed `last`, its greedy token (read with the other rows')."""
+        return self._take([token])
+
+    @torch.inference_mode()
+    def step_alone(self, step, verify) -> list[Step]:
+        """One step of this sequence alone: `step(token, state) -> logits`, or with the speculator, `verify(tokens,
+        state) -> (hidden [T, H], logits [T, vocab])` over the last token and its drafts, of which `accept` keeps a
+        prefix; the speculator sees the hidden states of the kept rows."""
+        seq, speculator, last = self.seq, self.speculator, self.last
+        if speculator is None:
+            return self._take([self.sampler(step(last, seq.state), self._history())])
+        tic = time.perf_counter()
+        drafts = speculator.propose(seq.generated, seq.params.max_tokens - len(seq.generated) - 1)
         if drafts:
             hidden, rows = verify([last, *drafts], seq.state)
-            pending = accept(sampler, rows, drafts, seq.prompt + seq.generated)
+            pending = accept(self.sampler, rows, drafts, seq.prompt + seq.generated)
             seq.state.accept([last, *pending[:-1]], len(drafts) + 1)
-        elif speculator is not None:  # the same step, with its hidden state for the drafter
+        else:  # the same step, with its hidden state for the drafter
             hidden, rows = verify([last], seq.state)
             seq.state.advance([last])
-            pending = [sampler(rows[0], history())]
-        else:
-            pending = [sampler(step(last, seq.state), history())]
-        if speculator is not None:
-            speculator.hidden(hidden[:len(pending)])
-            speculator.record(len(drafts), len(pending) - 1, time.perf_counter() - tic)
+            pending = [self.sampler(rows[0], self._history())]
+        speculator.hidden(hidden[:len(pending)])
+        speculator.record(len(drafts), len(pending) - 1, time.perf_counter() - tic)
+        return self._take(pending)
+
+    def _take(self, tokens: list[int]) -> list[Step]:
+        p, t, out = self.seq.params, self.seq.timings, []
+        for token in tokens:
+            self.seq.generated.append(token)
+            t.generated_tokens += 1
+            if token in self.eos and not p.ignore_eos:
+                self.finish_reason = "stop"
+            elif len(self.seq.generated) == p.max_tokens:
+                self.finish_reason = "length"
+            out.append(Step(token, self.finish_reason))
+            if self.finish_reason:
+                break
+        t.decode_seconds = time.perf_counter() - self._decode_start
+        self.last = tokens[-1]
+        return out

@@ -24,6 +24,7 @@ from moestream.engine.drafting import HeadDecoder, HeadDrafts
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.memory import activation_bytes, dense_bytes, plan_gpu, state_bytes
 from moestream.engine.prefix_cache import PrefixCache
+from moestream.engine.scheduler import Request, Scheduler
 from moestream.engine.speculation import Depth, SpecStats, Speculator
 from moestream.engine.stream import RequestOutput, TextStream
 from moestream.errors import BudgetError, ConfigError, MoestreamError, RequestError
@@ -75,11 +76,15 @@ class LLM:
         if cfg.max_drafts and any(t.host is None for t in ngram_tables(self.model)):
             raise ConfigError("--spec needs the n-gram tables in host memory (--ngram-tier host): a verify step "
                               "reads several tokens' rows in place")
+        # a verify step feeds one sequence, and a table on disk stages one sequence's rows before each step
+        self.max_batch = 1 if cfg.max_drafts or any(t.host is None for t in ngram_tables(self.model)) \
+            else cfg.max_batch
         self.gpu_plan = None
         if cfg.gpu_gb is not None:
             strides = [self.store.manifest.layouts[p].stride for p in (cfg.expert.precision, cfg.expert.miss_precision)
                        if p is not None]
-            self.gpu_plan = plan_gpu(self.model, cfg, max(strides), self.config.num_experts_per_tok, self.dtype)
+            self.gpu_plan = plan_gpu(self.model, cfg, max(strides), self.config.num_experts_per_tok, self.dtype,
+                                     self.max_batch)
             cfg = dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, pool_gb=self.gpu_plan.pool / 1e9))
             self.engine_config = cfg
         self.provider = ExpertProvider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok)
@@ -87,7 +92,9 @@ class LLM:
             block.provider = self.provider
         self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})
         self.spec_stats, self.depth = SpecStats(), Depth(cfg.max_drafts, cfg.drafts)
-        self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts)
+        self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts,
+                               max_batch=self.max_batch)
+        self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk)
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \
             if cfg.speculation == "mtp" and cfg.max_drafts else None
         self._tokenizer = None
@@ -181,7 +188,7 @@ class LLM:
         return self.model.logits(self.model(ids, state))
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[gen.Step]:
-        yield from self._run(self._sequence(prompt_ids, params))
+        yield from self._steps(self._submit(prompt_ids, params))
 
     @property
     def context_length(self) -> int | None:
@@ -189,32 +196,52 @@ class LLM:
         raw = self.config.raw
         return raw.get("max_position_embeddings") or raw.get("text_config", {}).get("max_position_embeddings")
 
-    def _sequence(self, ids: list[int], params: SamplingParams) -> gen.Sequence:
-        """A new sequence for `ids`, starting from the deepest cached prefix when there is one; its answer is cut
-        where the sequence would pass the model's context."""
+    def _submit(self, ids: list[int], params: SamplingParams, cancelled=None) -> Request:
+        """Queue a request for `ids` (refused now, in one line, when it is not one this model can answer); its answer
+        is cut where the sequence would pass the model's context."""
         params.validate()
         ids = self._checked_ids(ids)
         if (context := self.context_length) is not None:
             if len(ids) >= context:
                 raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, context - len(ids)))
-        state = self.decoder.new_state()
+        return self.scheduler.submit(Request(lambda slot: self._open(ids, params, slot), cancelled))
+
+    def _open(self, ids: list[int], params: SamplingParams, slot: int) -> gen.Generation:
+        """The generation of `ids` on batch slot `slot`'s state, from the deepest cached prefix when there is one."""
+        state = self.decoder.new_state(slot)
         if self.head is not None:
             state.draft = self.head.new_state()
         cached = self.prefix_cache.restore(ids, state) if self.prefix_cache else 0
         seq = gen.Sequence(list(ids), params, state)
         seq.timings.cached_tokens = cached
-        return seq
-
-    def _run(self, seq: gen.Sequence, cancelled=None) -> Iterator[gen.Step]:
-        keep = self.prefix_cache.insert if self.prefix_cache else None
         speculator = None
         if self.engine_config.max_drafts:
-            head = HeadDrafts(self.head, seq.state.draft) if self.head is not None else None
+            head = HeadDrafts(self.head, state.draft) if self.head is not None else None
             speculator = Speculator(self.depth, self.spec_stats, seq.prompt, head)
-        yield from gen.run(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
-                           self.decoder.step, on_boundary=keep, cancelled=cancelled, verify=self.decoder.forward,
-                           speculator=speculator)
+        return gen.Generation(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
+                              self.prefix_cache.insert if self.prefix_cache else None, speculator)
+
+    def step(self) -> None:
+        """One engine step (engine/scheduler.py): prompts admitted and prefilled, a token for each running
+        sequence; when it fails, every request in flight ends with it. The server's engine thread drives it."""
+        try:
+            self.scheduler.step()
+        except BaseException:
+            self.scheduler.fail_all()
+            raise
+
+    def _steps(self, request: Request) -> Iterator[gen.Step]:
+        """`request`'s tokens as the scheduler makes them (stepping it); a caller that stops early ends it."""
+        try:
+            while True:
+                while request.steps:
+                    yield request.steps.popleft()
+                if request.finished:
+                    return
+                self.step()
+        finally:
+            self.scheduler.cancel(request)
 
     def _checked_ids(self, ids) -> list[int]:
         if not isinstance(ids, list | tuple) or not ids:
@@ -235,20 +262,27 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts
                                         and not isinstance(prompts[0], str | list | tuple)):
             prompts = [prompts]
-        outs = []
-        for prompt in prompts:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            outs.append(self._complete(ids, params))
-        return outs
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._complete(ids, params)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
-        return self._complete(self.tokenizer.chat(messages), params or SamplingParams())
+        return self._complete([self.tokenizer.chat(messages)], params or SamplingParams())[0]
 
-    def _complete(self, ids: list[int], params: SamplingParams) -> RequestOutput:
-        stream = TextStream(self, ids, params)  # the same path as streaming: stop strings included
-        for _ in stream:
-            pass
-        return stream.output()
+    def _complete(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        """Every prompt's answer, decoded together (up to `max_batch` at once) through the streaming path, stop
+        strings included."""
+        streams = [TextStream(self, ids, params) for ids in prompts]
+        try:
+            for stream in streams:
+                stream.start()
+            while not all(stream.done for stream in streams):
+                self.step()
+                for stream in streams:
+                    stream.pieces()
+        finally:
+            for stream in streams:
+                stream.close()
+        return [stream.output() for stream in streams]
 
     def _text(self, ids: list[int]) -> str:
         try:
@@ -268,8 +302,8 @@ class LLM:
         return {"budget": self.engine_config.gpu_gb and int(self.engine_config.gpu_gb * 1e9),
                 "dense": dense_bytes(self.model), "pool": pool.num_slots * pool.stride,
                 "ring": pool.ring_slots * pool.stride,
-                "decode_state": state_bytes(self.model, self.dtype, state.capacity, self.decoder.max_rows,
-                                            self.head is not None)
+                "decode_state": len(self.decoder.slots) * state_bytes(self.model, self.dtype, state.capacity,
+                                                                      self.decoder.max_rows, self.head is not None)
                 if state is not None else None,
                 "activations_estimate": activation_bytes(self.config, self.engine_config.prefill_chunk, self.dtype),
                 "ngram_tables": sum(t.staging.numel() for t in ngram_tables(self.model) if t.staging is not None),

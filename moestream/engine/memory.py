@@ -1,9 +1,10 @@
 """What the engine keeps on the GPU, part by part, and a whole-GPU budget (`gpu_gb`) turned into a pool size.
 
-Parts: the dense weights (counted by storage, so fused projections count once), the decode state (KV caches
-and recurrent states reserved for `max_context`), the activations of a prefill chunk (an estimate from the
-model's dims, checked against the measured peak after the load's warm-up), the prefill ring and the pool,
-which gets what is left. The n-gram tables never take GPU memory: the host tier holds them, or the disk.
+Parts: the dense weights (counted by storage, so fused projections count once), the decode states (KV caches
+and recurrent states reserved for `max_context`, one per batch slot), the activations of a prefill chunk (an
+estimate from the model's dims, checked against the measured peak after the load's warm-up), the prefill ring
+and the pool, which gets what is left. The n-gram tables never take GPU memory: the host tier holds them, or the
+disk.
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ class GpuPlan:
                          ("dense", "state", "activations", "ring", "pool"))
 
 
-def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype: torch.dtype) -> GpuPlan:
-    """Split `cfg.gpu_gb` into parts; refuses a budget whose pool cannot hold one decode step's records."""
+def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype: torch.dtype,
+             batch: int = 1) -> GpuPlan:
+    """Split `cfg.gpu_gb` into parts, with a decode state for each of `batch` sequences; refuses a budget whose
+    pool cannot hold one decode step's records."""
     budget = int(cfg.gpu_gb * 1e9)
-    plan = GpuPlan(dense_bytes(model), state_bytes(model, dtype, cfg.max_context, 1 + cfg.max_drafts,
-                                                  cfg.speculation == "mtp" and cfg.max_drafts > 0),
+    plan = GpuPlan(dense_bytes(model), batch * state_bytes(model, dtype, cfg.max_context, 1 + cfg.max_drafts,
+                                                          cfg.speculation == "mtp" and cfg.max_drafts > 0),
                    activation_bytes(model.config, cfg.prefill_chunk, dtype), cfg.expert.ring_slots * stride, 0)
     plan.pool = budget - plan.dense - plan.state - plan.activations - plan.ring
     if cfg.expert.pool_gb is not None:
@@ -95,5 +98,5 @@ def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype:
     if plan.pool < top_k * stride:
         raise BudgetError(f"--gpu-gb {cfg.gpu_gb:g} leaves {max(plan.pool, 0) / 1e9:.2f} GB for experts, below one "
                           f"decode step's {top_k * stride / 1e9:.3f} GB (GB: {plan.parts_gb()}); raise it, or "
-                          "lower --max-context or --prefill-chunk")
+                          "lower --max-context, --max-batch or --prefill-chunk")
     return plan

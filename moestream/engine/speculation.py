@@ -24,7 +24,7 @@ def accept(sampler: Sampler, logits: torch.Tensor, drafts: list[int], previous: 
            draft_probs: torch.Tensor | None = None) -> list[int]:
     """logits [k+1, vocab] (row i follows the i drafts before it), `drafts` (k), their distributions [k, vocab]
     or None -> the tokens to append: the kept drafts and one drawn token (1 to k+1 of them)."""
-    if sampler.p.temperature == 0 and not sampler.needs_history:  # plain greedy: every row's argmax in one read
+    if sampler.greedy:  # every row's argmax in one read
         best = logits.argmax(-1).tolist()
         kept = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
         return best[: kept + 1]

@@ -2,7 +2,7 @@
 
 Pieces never contain any part of a stop string (text that might begin one is held back until it
 cannot), nor an incomplete UTF-8 character; the pieces joined equal `output().text`. `cancelled`, when
-given, is polled between prefill chunks and after every token, so a caller on another thread can end the
+given, is polled before every engine step (a prefill chunk, a token), so a caller on another thread can end the
 generation early."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from moestream.engine.generate import Timings
 from moestream.sampling import SamplingParams
 from moestream.stats.counters import delta
 
@@ -33,38 +34,67 @@ class RequestOutput:
 
 
 class TextStream:
-    """Iterate to get text pieces as tokens arrive; `output()` afterwards gives the whole result."""
+    """Iterate to get text pieces as tokens arrive; `output()` afterwards gives the whole result. Several streams
+    run together by `start`, then `pieces` after each engine step until `done`, then `close`."""
 
     def __init__(self, llm, prompt_ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None = None):
         self.llm, self.prompt_ids, self.params, self.cancelled = llm, list(prompt_ids), params, cancelled
         self.tokens: list[int] = []
-        self.text, self.finish_reason, self.seq = "", None, None
+        self.text, self.finish_reason, self.request = "", None, None
+        self.stopped = False  # at a stop string
+
+    def start(self) -> None:
+        """Queue the request; a bad one is refused here."""
+        self._before = self.llm.provider.totals()
+        self.request = self.llm._submit(self.prompt_ids, self.params, self.cancelled)
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or (self.request.finished and not self.request.steps)
 
     def __iter__(self) -> Iterator[str]:
-        llm, params = self.llm, self.params
-        self._before = llm.provider.totals()
-        self.seq = llm._sequence(self.prompt_ids, params)
-        for step in llm._run(self.seq, self.cancelled):
-            self.tokens.append(step.token)
-            self.finish_reason = step.finish_reason
-            full = llm._text(self.tokens)
-            cut = min((full.find(s) for s in params.stop if s in full), default=-1)
-            if cut >= 0:
-                full, self.finish_reason = full[:cut], "stop"
-            elif not step.finish_reason:
-                full = full[: len(full) - _held_back(full, params.stop)]
-            piece, self.text = full[len(self.text):], full
-            if piece:
+        self.start()
+        for step in self.llm._steps(self.request):
+            if piece := self._feed(step):
                 yield piece
-            if cut >= 0:
-                return
-            if self.cancelled is not None and self.cancelled():
-                self.finish_reason = "cancelled"
-                return
-        if self.finish_reason is None and self.cancelled is not None and self.cancelled():
-            self.finish_reason = "cancelled"  # during the prompt, between two prefill chunks
+            if self.stopped:
+                break
+        self._settle()
+
+    def pieces(self) -> list[str]:
+        """The text of the tokens its request made since the last call (the engine stepped in between)."""
+        out = []
+        while self.request.steps and not self.stopped:
+            if piece := self._feed(self.request.steps.popleft()):
+                out.append(piece)
+        if self.done:
+            self._settle()
+        return out
+
+    def close(self) -> None:
+        """End the request if it still runs (its caller has gone)."""
+        if self.request is not None:
+            self.llm.scheduler.cancel(self.request)
+
+    def _feed(self, step) -> str:
+        self.tokens.append(step.token)
+        self.finish_reason = step.finish_reason
+        full = self.llm._text(self.tokens)
+        cut = min((full.find(s) for s in self.params.stop if s in full), default=-1)
+        if cut >= 0:
+            full, self.finish_reason, self.stopped = full[:cut], "stop", True
+            self.llm.scheduler.cancel(self.request, "stop")
+        elif not step.finish_reason:
+            full = full[: len(full) - _held_back(full, self.params.stop)]
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+    def _settle(self) -> None:
+        if not self.stopped and self.request.finish_reason == "cancelled":
+            self.finish_reason = "cancelled"  # between two tokens, or between two prefill chunks
 
     def output(self):
-        stats = {"timings": self.seq.timings.as_dict(),
+        g = self.request.generation
+        stats = {"timings": (g.seq.timings if g is not None else Timings()).as_dict(),
                  "experts": delta(self._before, self.llm.provider.totals())}
         return RequestOutput(self.text, self.tokens, self.prompt_ids, self.finish_reason, stats)

@@ -82,25 +82,34 @@ class Residency:
     def note_addressed(self, routed: torch.Tensor) -> None:
         """A decode step that read its records by address (a graph replay sees no provider): `routed`
         [num_layers, rows * top_k] are its expert ids (-1 in a layer it did not run: the MTP head's in a trunk
-        step, the trunk's in a head step), counted in bulk by `flush` as one-row steps, so the step never waits."""
+        step, the trunk's in a head step), counted in bulk by `flush`, so the step never waits."""
         self._addressed.append(routed.clone())
         if len(self._addressed) >= 256:
             self.flush()
 
     def flush(self) -> None:
         """Count the noted steps against the current residency: before it can change and before the counters are
-        read. A pool record is a hit; any other a miss read in place from the host tier, as the table points."""
-        if not self._addressed:
-            return
-        ids = torch.cat(self._addressed, dim=1).cpu()  # [layers, one-row steps * top_k], in step order
-        ids = ids.view(ids.shape[0], -1, self.top_k).transpose(0, 1)  # [steps, layers, top_k]
-        self._addressed = []
+        read. A step looks each expert up once for all of its rows (the union); a pool record is a hit, any other
+        a miss read in place from the host tier, as the table points."""
+        noted, self._addressed = self._addressed, []
+        runs: list[list[torch.Tensor]] = []  # consecutive steps of one row count, in step order
+        for routed in noted:
+            if runs and runs[-1][0].shape[1] == routed.shape[1]:
+                runs[-1].append(routed)
+            else:
+                runs.append([routed])
+        for run in runs:
+            self._count_addressed(torch.stack(run, 1).cpu().transpose(0, 1))
+
+    def _count_addressed(self, ids: torch.Tensor) -> None:
+        """ids [steps, layers, rows * top_k]."""
         ran = ids[..., 0] >= 0  # [steps, layers]
         if self.trace is not None:  # in step order: a host step flushes these before it runs
             for step, layers_ran in zip(ids.tolist(), ran.tolist()):
                 for layer, experts in enumerate(step):
                     if layers_ran[layer]:
-                        self.trace.step(layer, [experts])
+                        for row in range(0, len(experts), self.top_k):
+                            self.trace.step(layer, [experts[row: row + self.top_k]])
         ids = ids.sort(-1).values
         g, routed_layers = self.geometry, ids.shape[1]
         distinct = ran[..., None].expand_as(ids).clone()

@@ -16,6 +16,7 @@ from moestream.layers.context import StepContext
 from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import apply_rotary
+from moestream.layers.rows import row_state
 
 
 class KVCache:
@@ -152,16 +153,16 @@ class Attention(nn.Module):
 
     def _static(self, x: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Tokens at device-side `positions` [T] over the reserved cache's rows 0..position, so the shapes never
-        change and the step can be captured in a CUDA graph; a verify step's rows one by one, each as a decode
-        step attends."""
+        change and the step can be captured in a CUDA graph; several rows (a verify step's, or a batched step's,
+        each over its own sequence's cache) one by one, each as a decode step attends."""
         qkv = self.qkv(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered) \
             if self.qk_norm else (None, None, 0.0, False)
         cos, sin = rope
         out = []
         for r in range(x.shape[0]):
-            row, at = qkv[r: r + 1], positions[r: r + 1]
+            row, at, kv = qkv[r: r + 1], positions[r: r + 1], row_state(cache, r)
             q = ops.qk_norm_rope_cache(row, self.heads, self.kv_heads, self.head_dim, *norms, cos[r: r + 1],
-                                       sin[r: r + 1], cache.k, cache.v, at)
-            out.append(ops.decode_attention(q, cache.k, cache.v, at, self.head_dim ** -0.5, gate=self.gate_heads(row)))
+                                       sin[r: r + 1], kv.k, kv.v, at)
+            out.append(ops.decode_attention(q, kv.k, kv.v, at, self.head_dim ** -0.5, gate=self.gate_heads(row)))
         return self.o_proj(torch.cat(out).reshape(x.shape[0], -1))

@@ -16,7 +16,7 @@ from moestream.kernels import ops
 from moestream.layers.context import StepContext
 from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import GatedRMSNorm
-from moestream.layers.rows import RowCopies, reserve_rows
+from moestream.layers.rows import RowCopies, reserve_rows, row_state
 
 
 @dataclass
@@ -99,14 +99,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: DeltaNetState, ctx: StepContext | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; the conv and recurrent states advance in place (a captured decode graph keeps
-        pointing at these buffers). A static step of several rows (a verify step) runs them one by one, keeping
-        the state after each."""
+        pointing at these buffers). A static step of several rows runs them one by one: a verify step's keeping the
+        state after each, a batched step's each on its own sequence's state."""
         mixed, z, b, a = self._project(x)
         if ctx is None or not ctx.static or x.shape[0] == 1:
             return self.out_proj(self._mix(mixed, z, b, a, state))
         out = []
         for r in range(x.shape[0]):
-            out.append(self._mix(mixed[r: r + 1], z[r: r + 1], b[r: r + 1], a[r: r + 1], state))
+            out.append(self._mix(mixed[r: r + 1], z[r: r + 1], b[r: r + 1], a[r: r + 1], row_state(state, r)))
             state.keep(r)
         return self.out_proj(torch.cat(out))
 

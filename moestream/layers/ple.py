@@ -27,7 +27,7 @@ from moestream.config import ModelConfig
 from moestream.kernels import ops
 from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import RMSNorm
-from moestream.layers.rows import RowCopies, reserve_rows
+from moestream.layers.rows import RowCopies, reserve_rows, row_state
 
 
 @dataclass
@@ -164,12 +164,13 @@ class PLE(nn.Module):
     def forward(self, residual: tuple, ids: torch.Tensor, state: PLEState, static: bool = False) -> torch.Tensor:
         """residual (streams [T, hc * H], a block's output [T, H] pending at its weights [T, hc], or None, None), ids
         [T] -> the streams with that injection (done in the query norm's launch) and the PLE update added; advances
-        `state`. A static step of several rows (a verify step) runs them one by one, keeping the state after each."""
+        `state`. A static step of several rows runs them one by one: a verify step's keeping the state after each, a
+        batched step's each on its own sequence's state."""
         if static and ids.shape[0] > 1:
             out = []
             for r in range(ids.shape[0]):
                 row = tuple(None if part is None else part[r: r + 1] for part in residual)
-                out.append(self(row, ids[r: r + 1], state, static))
+                out.append(self(row, ids[r: r + 1], row_state(state, r), static))
                 state.keep(r)
             return torch.cat(out)
         streams, queries = self.norm_query.after_inject(*residual)

@@ -30,6 +30,7 @@ from moestream.layers.context import StepContext
 from moestream.layers.linear import Linear
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import Rotary, apply_rotary
+from moestream.layers.rows import row_state
 
 QUERY_CHUNK_ELEMENTS = 1 << 26  # mask elements (queries x keys) per chunk of a prefill
 
@@ -186,13 +187,13 @@ class IndexedAttention(Attention):
         qkv, (cos, sin) = self.qkv(x), rope
         out = []
         for r in range(x.shape[0]):
-            row, at = qkv[r: r + 1], positions[r: r + 1]
+            row, at, kv = qkv[r: r + 1], positions[r: r + 1], row_state(cache, r)
             q = ops.qk_norm_rope_cache(row, self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
                                        self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, cos[r: r + 1],
-                                       sin[r: r + 1], cache.k, cache.v, at)
-            index_q = self.indexer.static_step(x, rope, positions, cache, r)
-            rows = self.indexer.select_static(index_q, cache.block_keys[:-1], at)
-            out.append(ops.decode_attention(q, cache.k, cache.v, at, self.head_dim ** -0.5, rows, self.gate_heads(row)))
+                                       sin[r: r + 1], kv.k, kv.v, at)
+            index_q = self.indexer.static_step(x, rope, positions, kv, r)
+            rows = self.indexer.select_static(index_q, kv.block_keys[:-1], at)
+            out.append(ops.decode_attention(q, kv.k, kv.v, at, self.head_dim ** -0.5, rows, self.gate_heads(row)))
         return self.o_proj(torch.cat(out).reshape(x.shape[0], -1))
 
 

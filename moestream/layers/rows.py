@@ -34,3 +34,22 @@ def reserve_rows(copies: RowCopies | None, tensors: list[torch.Tensor], rows: in
     if copies is not None and copies.rows >= rows and all(a is b for a, b in zip(copies.tensors, tensors)):
         return copies
     return RowCopies(tensors, rows)
+
+
+class Batched(list):
+    """One layer's states for the rows of a batched step, row r's being its own sequence's; an attribute is every
+    row's, batched (a PLE layer's `mixer` and `ple`). Its rows are whole steps of their sequences: none is kept for
+    a rollback."""
+
+    def __getattr__(self, name: str) -> Batched:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Batched(getattr(s, name) for s in self)
+
+    def keep(self, row: int) -> None:
+        pass
+
+
+def row_state(state, row: int):
+    """Row `row`'s state of a static step: its own sequence's in a batched step, else the one sequence's."""
+    return state[row] if isinstance(state, Batched) else state

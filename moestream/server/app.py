@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from moestream.errors import MoestreamError, RequestError
+from moestream.sampling import SEED_RANGE
 from moestream.server.gate import Gate
 from moestream.server.metrics import ServerMetrics
 from moestream.server.protocol import APIError, ChatRequest, CompletionRequest, Shapes, parse, usage
@@ -108,92 +109,114 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request):
         req = parse(ChatRequest, await _read_json(request, settings))
         messages = [m.as_template_message() for m in req.messages]
-        return await complete(request, req, True, lambda: llm.tokenizer.chat(messages), settings.max_tokens_limit)
+        return await complete(request, req, True, [lambda: llm.tokenizer.chat(messages)],
+                              settings.max_tokens_limit)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await _read_json(request, settings))
-        prompt = req.single_prompt()
-        encode = (lambda: llm.tokenizer.encode(prompt)) if isinstance(prompt, str) else (lambda: list(prompt))
-        return await complete(request, req, False, encode, settings.completion_default_max_tokens)
+        encoders = [(lambda p=p: llm.tokenizer.encode(p)) if isinstance(p, str) else (lambda p=p: list(p))
+                    for p in req.prompts()]
+        return await complete(request, req, False, encoders, settings.completion_default_max_tokens)
 
-    async def complete(request: Request, req, chat: bool, tokenize, default_max_tokens: int):
+    async def complete(request: Request, req, chat: bool, encoders, default_max_tokens: int):
+        """Every prompt's `n` choices as jobs of one request: choice i * n + j is prompt i's sample j."""
         check_model(req.model)
         req.refuse_unsupported()
         params = req.sampling_params(default_max_tokens, settings.max_tokens_limit)
         param = "messages" if chat else "prompt"
+        explicit = bool(req.max_tokens or req.max_completion_tokens)
+        prompts = []
+        for encode in encoders:
+            ids = await tokenize(encode, param)
+            prompts.append((ids, fit_context(len(ids), params, explicit, param)))
+        events, jobs = asyncio.Queue(), []
         try:
-            ids = await run_in_threadpool(tokenize)
-        except (MoestreamError, ValueError, TemplateError) as e:  # no chat template, or one refusing the messages
-            raise APIError(400, f"cannot build the prompt: {e}", param=param) from None
-        if not ids:
-            raise APIError(400, "the prompt is empty", param=param)
-        if any(not 0 <= i < llm.config.vocab_size for i in ids):
-            raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param=param)
-        params = fit_context(len(ids), params, bool(req.max_tokens or req.max_completion_tokens), param)
-        try:
-            job = worker.submit(ids, params)
+            for ids, p in prompts:
+                for j in range(req.n or 1):
+                    jobs.append(worker.submit(ids, p if p.seed is None else sample_seed(p, j), events, len(jobs)))
         except ShuttingDown:
+            cancel(jobs)
             raise _engine_error(ShuttingDown("the server is shutting down")) from None
         except QueueFull:
+            cancel(jobs)
             raise APIError(429, f"the server is busy ({settings.max_queue} requests waiting); retry later",
                            type="rate_limit_error", code="queue_full") from None
         shapes = Shapes(chat, settings.model_name)
         endpoint = request.url.path
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _JobStream(job, stream(job, shapes, include_usage, endpoint), media_type="text/event-stream",
-                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+            return _JobStream(jobs, stream(jobs, events, shapes, include_usage, endpoint, req.n or 1),
+                              media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                       "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs, events))
+        texts, outs = [[] for _ in jobs], [None] * len(jobs)
         try:
-            text, out = [], None
-            while True:
-                kind, value = await job.events.get()
+            while any(out is None for out in outs):
+                index, kind, value = await events.get()
                 if kind == "text":
-                    text.append(value)
+                    texts[index].append(value)
                 elif kind == "done":
-                    out = value
-                    break
+                    outs[index] = value
                 elif kind == "error":
                     raise _engine_error(value)
                 else:  # the client went away
                     return Response(status_code=499)
         finally:
             watcher.cancel()
-        use = record(job, out, endpoint)
-        return shapes.response("".join(text), out.finish_reason, use)
+            cancel(jobs)
+        use = record(jobs, outs, endpoint, req.n or 1)
+        return shapes.response([("".join(t), out.finish_reason) for t, out in zip(texts, outs)], use)
 
-    async def stream(job: Job, shapes: Shapes, include_usage: bool, endpoint: str):
+    async def tokenize(encode, param: str) -> list[int]:
+        try:
+            ids = await run_in_threadpool(encode)
+        except (MoestreamError, ValueError, TemplateError) as e:  # no chat template, or one refusing the messages
+            raise APIError(400, f"cannot build the prompt: {e}", param=param) from None
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        if any(not 0 <= i < llm.config.vocab_size for i in ids):
+            raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param=param)
+        return ids
+
+    async def stream(jobs: list[Job], events: asyncio.Queue, shapes: Shapes, include_usage: bool, endpoint: str,
+                     n: int):
         if shapes.chat:
-            yield _sse(shapes.chunk("", first=True))
-        first = True
-        while True:
-            kind, value = await job.events.get()
+            for job in jobs:
+                yield _sse(shapes.chunk(job.index, "", first=True))
+        outs, seen = [None] * len(jobs), set()
+        while any(out is None for out in outs):
+            index, kind, value = await events.get()
             if kind == "text":
-                if first:
-                    metrics.first_token.labels(endpoint).observe(time.monotonic() - job.submitted_at)
-                    first = False
-                yield _sse(shapes.chunk(value))
+                if index not in seen:
+                    metrics.first_token.labels(endpoint).observe(time.monotonic() - jobs[index].submitted_at)
+                    seen.add(index)
+                yield _sse(shapes.chunk(index, value))
             elif kind == "done":
-                use = record(job, value, endpoint)
-                yield _sse(shapes.chunk(None, value.finish_reason))
-                if include_usage:
-                    yield _sse(shapes.usage_chunk(use))
-                break
+                outs[index] = value
+                yield _sse(shapes.chunk(index, None, value.finish_reason))
             else:
                 yield _sse(_engine_error(value).body())
                 break
+        else:
+            use = record(jobs, outs, endpoint, n)
+            if include_usage:
+                yield _sse(shapes.usage_chunk(use))
         yield "data: [DONE]\n\n"
 
-    def record(job: Job, out, endpoint: str) -> dict:
+    def record(jobs: list[Job], outs: list, endpoint: str, n: int) -> dict:
+        """Count the finished choices; their usage counts each prompt once."""
         now = time.monotonic()
-        metrics.latency.labels(endpoint).observe(now - job.submitted_at)
-        metrics.queue_wait.observe((job.started_at or now) - job.submitted_at)
-        metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-        metrics.generated_tokens.inc(len(out.token_ids))
-        tokens["prompt"] += len(out.prompt_token_ids)
-        tokens["generated"] += len(out.token_ids)
-        return usage(len(out.prompt_token_ids), len(out.token_ids), out.stats["timings"]["cached_tokens"])
+        for job, out in zip(jobs, outs):
+            metrics.latency.labels(endpoint).observe(now - job.submitted_at)
+            metrics.queue_wait.observe((job.started_at or now) - job.submitted_at)
+            metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+            metrics.generated_tokens.inc(len(out.token_ids))
+            tokens["prompt"] += len(out.prompt_token_ids)
+            tokens["generated"] += len(out.token_ids)
+        firsts = outs[::n]  # each prompt's first choice
+        return usage(sum(len(o.prompt_token_ids) for o in firsts), sum(len(o.token_ids) for o in outs),
+                     sum(o.stats["timings"]["cached_tokens"] for o in firsts))
 
     def fit_context(prompt_tokens: int, params, explicit: bool, param: str):
         """Refuse a prompt (plus explicit max_tokens) past the context; trim a default max_tokens to fit."""
@@ -213,7 +236,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
     def server_stats() -> dict:
         return {"uptime_seconds": time.time() - started, "requests": dict(counts, **worker.counts),
                 "queue": {"waiting": worker.jobs.qsize(), "max_waiting": settings.max_queue,
-                          "running": int(worker.running is not None)},
+                          "running": len(worker.active)},
                 "tokens": dict(tokens), "engine_busy_seconds": worker.busy_seconds,
                 "prefix_cache": llm.prefix_cache.stats() if llm.prefix_cache else None,
                 "limits": {"max_tokens": settings.max_tokens_limit, "max_body_bytes": settings.max_body_bytes}}
@@ -235,18 +258,29 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
 
 class _JobStream(StreamingResponse):
-    """An SSE response that cancels its job however it ends: finished, failed, or the client gone (Starlette
+    """An SSE response that cancels its jobs however it ends: finished, failed, or the client gone (Starlette
     then cancels the body iterator, perhaps before it started)."""
 
-    def __init__(self, job: Job, content, **kwargs):
+    def __init__(self, jobs: list[Job], content, **kwargs):
         super().__init__(content, **kwargs)
-        self.job = job
+        self.jobs = jobs
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
-        finally:  # the engine stops after its current token; a no-op for a finished job
-            self.job.cancel.set()
+        finally:  # the engine drops them before its next step; a no-op for finished jobs
+            cancel(self.jobs)
+
+
+def cancel(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.cancel.set()
+
+
+def sample_seed(params, j: int):
+    """Choice j's parameters: the request's seed moved on by j, so that n seeded samples differ and repeat."""
+    low, high = SEED_RANGE
+    return dataclasses.replace(params, seed=low + (params.seed - low + j) % (high - low + 1))
 
 
 def _sse(obj: dict) -> str:
@@ -288,8 +322,8 @@ async def _read_json(request: Request, settings: ServerSettings):
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+async def _cancel_on_disconnect(request: Request, jobs: list[Job], events: asyncio.Queue) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancel.set()
-    job.events.put_nowait(("gone", None))
+    cancel(jobs)
+    events.put_nowait((None, "gone", None))

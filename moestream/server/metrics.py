@@ -82,5 +82,21 @@ class _EngineCollector:
             yield CounterMetricFamily(f"moestream_speculation_{name}", help_text, value=value)
         yield GaugeMetricFamily("moestream_queue_depth", "requests waiting for the engine",
                                 value=self.worker.jobs.qsize())
-        yield GaugeMetricFamily("moestream_requests_running", "requests the engine is generating",
-                                value=int(self.worker.running is not None))
+        yield GaugeMetricFamily("moestream_requests_running", "requests (choices) the engine is generating",
+                                value=len(self.worker.active))
+        scheduler = self.llm.scheduler
+        yield GaugeMetricFamily("moestream_sequences_waiting", "sequences waiting for a batch slot",
+                                value=self.worker.jobs.qsize() + len(scheduler.waiting))
+        yield GaugeMetricFamily("moestream_sequences_prefilling", "sequences whose prompt is being prefilled",
+                                value=int(scheduler.prefilling is not None))
+        yield GaugeMetricFamily("moestream_sequences_decoding", "sequences in the decode batch",
+                                value=len(scheduler.running))
+        yield GaugeMetricFamily("moestream_kv_rows_in_use", "decode-state rows the running sequences fill",
+                                value=scheduler.rows_in_use())
+        yield GaugeMetricFamily("moestream_kv_rows_reserved", "decode-state rows reserved by the batch slots",
+                                value=scheduler.rows_reserved())
+        steps = CounterMetricFamily("moestream_decode_steps", "decode steps, by how many sequences they batched",
+                                    labels=["batch"])
+        for rows, count in sorted(scheduler.batch_rows.items()):
+            steps.add_metric([str(rows)], count)
+        yield steps

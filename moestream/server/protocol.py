@@ -3,8 +3,8 @@
 Requests are validated strictly ("0.5" is not a number; strings must be valid Unicode) and unknown fields
 are ignored, as OpenAI clients send many; fields that would change the answer and are not implemented are
 refused unless their value asks for nothing (`UNSUPPORTED`). Differences from OpenAI, on purpose: temperature
-defaults to 0 (greedy) when the field is absent, so the same request gives the same text; `n` must be 1.
-Extensions: `top_k`, `repetition_penalty`, `ignore_eos`.
+defaults to 0 (greedy) when the field is absent, so the same request gives the same text (and `n` greedy choices
+the same one). Extensions: `top_k`, `repetition_penalty`, `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moestream.errors import RequestError
 from moestream.sampling import SEED_RANGE, SamplingParams
+
+MAX_CHOICES = 64  # choices a request may ask for: prompts x n
 
 
 class APIError(Exception):
@@ -65,14 +67,12 @@ class _Request(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
 
     def refuse_unsupported(self) -> None:
-        if (self.n or 1) > 1:
-            raise APIError(400, "n > 1 is not supported: send one request per completion", param="n")
         for name, neutral in UNSUPPORTED.items():
             value = getattr(self, name, None) if name in type(self).model_fields else (self.model_extra or {}).get(name)
             if value not in (None, False, [], {}) and not neutral(value):
@@ -107,16 +107,16 @@ class CompletionRequest(_Request):
     echo: bool | None = None
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (a string or token ids); batches of several prompts are refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (strings or token ids): one, or a batch of them."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise APIError(400, "send one prompt per request (batches are not supported)", param="prompt")
-            p = p[0]
-        if not p:
+        batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        if not p or not all(batch):
             raise APIError(400, "the prompt is empty", param="prompt")
-        return p
+        if len(batch) * (self.n or 1) > MAX_CHOICES:
+            raise APIError(400, f"{len(batch)} prompts x n = {self.n or 1} is over {MAX_CHOICES} choices a request",
+                           param="prompt")
+        return batch
 
 
 # fields not implemented yet, each with the values that ask for nothing beyond None, false, [] and {}
@@ -182,14 +182,14 @@ class Shapes:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
 
-    def _choice(self, text: str | None, reason: str | None, final: bool, first: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, reason: str | None, final: bool, first: bool = False) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
         if final:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
                     "finish_reason": reason}
         delta = ({"role": "assistant", "content": ""} if first else {"content": text}) if text is not None else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     def _object(self, kind: str, choices: list, use: dict | None = None) -> dict:
         out = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -197,13 +197,15 @@ class Shapes:
             out["usage"] = use
         return out
 
-    def response(self, text: str, reason: str | None, use: dict) -> dict:
+    def response(self, choices: list[tuple[str, str | None]], use: dict) -> dict:
+        """choices: (text, finish reason) in index order."""
         kind = "chat.completion" if self.chat else "text_completion"
-        return self._object(kind, [self._choice(text, finish_reason(reason), final=True)], use)
+        return self._object(kind, [self._choice(i, text, finish_reason(reason), final=True)
+                                   for i, (text, reason) in enumerate(choices)], use)
 
-    def chunk(self, text: str | None, reason: str | None = None, first: bool = False) -> dict:
+    def chunk(self, index: int, text: str | None, reason: str | None = None, first: bool = False) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, [self._choice(text, finish_reason(reason), final=False, first=first)])
+        return self._object(kind, [self._choice(index, text, finish_reason(reason), final=False, first=first)])
 
     def usage_chunk(self, use: dict) -> dict:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], use)

@@ -1,10 +1,11 @@
 """One engine thread that owns the `LLM`, fed by a bounded queue of jobs.
 
-Contract: `submit` never blocks; it raises `QueueFull` when `max_queue` jobs already wait behind the
-running one. The engine thread runs jobs one at a time and delivers events to the submitting event
-loop: ("text", piece) as text arrives, then ("done", RequestOutput) or ("error", exception). A job whose
-`cancel` is set is skipped if it has not started, and stopped after its current token if it has, so an
-abandoned request frees the engine within one decode step.
+Contract: `submit` never blocks; it raises `QueueFull` when `max_queue` jobs already wait for the engine. The
+engine thread takes up to the engine's `max_batch` jobs at once into its scheduler (engine/scheduler.py), which
+decodes them together, and delivers events to each submitting event loop: ("text", piece) as text arrives, then
+("done", RequestOutput) or ("error", exception). A job whose `cancel` is set is skipped if it has not started, and
+leaves the batch before the next engine step if it has, so an abandoned request frees its slot within one step.
+A failed step fails the jobs it ran (the engine's fault, 5xx), not the engine thread.
 """
 
 from __future__ import annotations
@@ -33,17 +34,21 @@ class ShuttingDown(Exception):
 
 @dataclass
 class Job:
+    """One completion choice; its events are (index, kind, value), on a queue it may share with the other choices
+    of its request."""
+
     prompt_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
 
     def emit(self, kind: str, value) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, value))
         except RuntimeError:  # the event loop has closed: the server is shutting down
             self.cancel.set()
 
@@ -55,7 +60,7 @@ class EngineWorker:
         self.llm = llm
         self.max_queue = max_queue
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self.running: Job | None = None
+        self.active: list[tuple[Job, TextStream]] = []  # the jobs in the engine, with their streams
         self.counts = dict(completed=0, cancelled=0, failed=0, rejected=0)
         self.busy_seconds = 0.0
         self.fault: str | None = None  # the engine's last own failure, until a request completes again
@@ -65,10 +70,11 @@ class EngineWorker:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, events: asyncio.Queue | None = None,
+               index: int = 0) -> Job:
         if self.stopping:
             raise ShuttingDown
-        job = Job(prompt_ids, params, asyncio.get_running_loop())
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), events or asyncio.Queue(), index)
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -77,10 +83,10 @@ class EngineWorker:
         return job
 
     def cancel_all(self) -> None:
-        """Stop the running job after its current token and fail the waiting ones (the server is stopping)."""
+        """Stop the running jobs before the next step and fail the waiting ones (the server is stopping)."""
         self.stopping = True
-        if (running := self.running) is not None:
-            running.cancel.set()
+        for job, _ in list(self.active):
+            job.cancel.set()
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -98,30 +104,55 @@ class EngineWorker:
             self.thread.join(timeout)
 
     def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while self._admit():
+            if not self.active:
+                continue
+            tic = time.monotonic()
+            try:
+                self.llm.step()
+            except Exception as e:  # no failure may take the engine thread down
+                log.exception("generation failed")
+                self.fault = f"{type(e).__name__}: {e}"
+                for job, _ in self.active:
+                    self.counts["failed"] += 1
+                    job.emit("error", e)
+                self.active = []
+            self.busy_seconds += time.monotonic() - tic
+            for job, stream in list(self.active):
+                for piece in stream.pieces():
+                    job.emit("text", piece)
+                if stream.done:
+                    self.active.remove((job, stream))
+                    out = stream.output()
+                    self.fault = None
+                    self.counts["cancelled" if out.finish_reason == "cancelled" else "completed"] += 1
+                    job.emit("done", out)
+
+    def _admit(self) -> bool:
+        """Move queued jobs into the engine while it has room, waiting for one when it has none to run; False
+        when the worker is told to stop."""
+        while len(self.active) < self.llm.max_batch:
+            try:
+                job = self.jobs.get(block=not self.active)
+            except queue.Empty:
+                return True
+            if job is None:
+                for _, stream in self.active:
+                    stream.close()
+                return False
             if job.cancel.is_set():
                 self.counts["cancelled"] += 1
                 continue
-            self.running, job.started_at = job, time.monotonic()
+            job.started_at = time.monotonic()
+            stream = TextStream(self.llm, job.prompt_ids, job.params, cancelled=job.cancel.is_set)
             try:
-                self._run(job)
-            finally:
-                self.running = None
-                self.busy_seconds += time.monotonic() - job.started_at
-
-    def _run(self, job: Job) -> None:
-        stream = TextStream(self.llm, job.prompt_ids, job.params, cancelled=job.cancel.is_set)
-        try:
-            for piece in stream:
-                job.emit("text", piece)
-            out = stream.output()
-        except Exception as e:  # no failure may take the engine thread down
-            if not isinstance(e, RequestError):  # the engine's own fault: /health says so until a request succeeds
-                log.exception("generation failed")
-                self.fault = f"{type(e).__name__}: {e}"
-            self.counts["failed"] += 1
-            job.emit("error", e)
-            return
-        self.fault = None
-        self.counts["cancelled" if out.finish_reason == "cancelled" else "completed"] += 1
-        job.emit("done", out)
+                stream.start()
+            except Exception as e:  # a request the engine refuses (4xx), or the engine's own fault
+                if not isinstance(e, RequestError):
+                    log.exception("the request could not start")
+                    self.fault = f"{type(e).__name__}: {e}"
+                self.counts["failed"] += 1
+                job.emit("error", e)
+                continue
+            self.active.append((job, stream))
+        return True

@@ -20,7 +20,9 @@ def test_the_pool_gets_what_the_other_parts_leave(tiny):
         stride, records = llm.provider.pool.stride, llm.provider.geometry.num_records
         assert 0 <= min(plan.pool // stride, records) * stride - memory["pool"] <= stride  # capped at the model
         assert memory["dense"] == plan.dense and memory["ngram_tables"] == 0 and memory["budget"] == 0.7e9
-        assert plan.state == state_bytes(llm.model, llm.dtype, llm.engine_config.max_context) > 0
+        one = state_bytes(llm.model, llm.dtype, llm.engine_config.max_context)
+        assert plan.state == llm.engine_config.max_batch * one > 0  # a decode state per batch slot
+        assert memory["decode_state"] == one  # the slots are made as sequences need them
         assert plan.activations == activation_bytes(llm.config, llm.engine_config.prefill_chunk, llm.dtype)
     finally:
         llm.close()

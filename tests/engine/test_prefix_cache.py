@@ -62,10 +62,11 @@ def test_restored_prefixes_give_the_uncached_output_on_cuda(tiny, model_type, ma
 
 
 def test_restored_attention_caches_keep_their_capacity(tiny):
-    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=10)
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=10, max_batch=1)  # eager
     ids = list(range(3, 103))
-    seq = llm._sequence(ids, GREEDY)
-    list(llm._run(seq))
+    request = llm._submit(ids, GREEDY)
+    list(llm._steps(request))
+    seq = request.generation.seq
     capacities = [s.k.shape[0] for s in seq.state.layers]
     state = llm.model.new_state(llm.dtype, llm.device)
     boundary = llm.prefix_cache.restore(ids + [5], state)

@@ -44,4 +44,4 @@ def test_gpu_greedy_tokens_with_drafts_are_the_plain_ones(tiny, tmp_path, model_
             assert got == want, (setting, drafts, spec)
             assert 0 < sum(spec["accepted"]) < sum(spec["proposed"]), (setting, spec)
             if not setting and model_type != "qwen4_exp":  # resident: a graph for every row count
-                assert graphs == list(range(1, 2 + (3 if drafts else 4))), graphs
+                assert graphs == [(rows, False) for rows in range(1, 2 + (3 if drafts else 4))], graphs

@@ -73,8 +73,8 @@ def serve():
     """serve(store, server settings..., llm options...) -> a RunningServer, closed after the test."""
     servers = []
 
-    def start(store: str, *, prefix_cache_mb: float = 0.0, **settings) -> RunningServer:
-        llm = LLM(store, device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=prefix_cache_mb)
+    def start(store: str, *, prefix_cache_mb: float = 0.0, max_batch: int = 16, **settings) -> RunningServer:
+        llm = LLM(store, device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=prefix_cache_mb, max_batch=max_batch)
         servers.append(RunningServer(llm, **settings))
         return servers[-1]
 

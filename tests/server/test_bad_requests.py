@@ -53,7 +53,8 @@ BAD_BODIES = {  # name: (body, status, param)
     "huge-max-tokens": (dict(GOOD, max_tokens=10**9), 400, "max_tokens"),
     "zero-max-tokens": (dict(GOOD, max_tokens=0), 400, "max_tokens"),
     "zero-top-p": (dict(GOOD, top_p=0), 400, "top_p"),
-    "n-2": (dict(GOOD, n=2), 400, "n"),
+    "n-0": (dict(GOOD, n=0), 400, "n"),
+    "n-too-many": (dict(GOOD, n=65), 400, "n"),
     "no-messages": ({"model": MODEL}, 400, "messages"),
 }
 
@@ -70,7 +71,8 @@ def test_bad_chat_bodies(server, body, status, param):
 def test_bad_completion_bodies(server):
     with server.http() as http:
         for body, param in [({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 5}, "prompt"),
-                            ({"prompt": [10**9]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+                            ({"prompt": [10**9]}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
+                            ({"prompt": ["a"] * 33, "n": 2}, "prompt"),
                             ({"prompt": "hi", "echo": True}, "echo"), ({"prompt": "hi", "logprobs": 2}, "logprobs")]:
             assert_error(http.post("/v1/completions", json=body), 400, param)
         assert_serves(http)

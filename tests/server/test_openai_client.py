@@ -86,3 +86,27 @@ def test_models_lists_the_served_model(server):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_n_choices_and_several_prompts(server, reference, store):
+    """n = 4 seeded samples (chat, streaming and not) and a 4-prompt completion request, choice i * n + j being
+    prompt i's sample j; the greedy prompts answer as the engine does alone."""
+    llm, client = reference(store), server.client()
+    sampled = dict(temperature=1.0, seed=5, max_tokens=8)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=4, **sampled)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and len(set(texts)) > 1  # seeds 5, 6, 7, 8
+    assert 4 <= r.usage.completion_tokens <= 32
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=4, stream=True, **sampled)
+    streamed = ["", "", "", ""]
+    for chunk in again:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == texts
+    prompts = [PROMPT, "Experts stream", "The ring", "Four"]
+    expected = [out.text for out in llm.generate(prompts, SamplingParams(max_tokens=6))]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == expected
+    assert r.usage.prompt_tokens == sum(len(llm.tokenizer.encode(p)) for p in prompts)
+    r = client.completions.create(model=MODEL, prompt=prompts[:2], max_tokens=6, n=2)
+    assert [c.text for c in r.choices] == [expected[0], expected[0], expected[1], expected[1]]

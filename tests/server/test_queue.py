@@ -71,7 +71,7 @@ def test_disconnected_clients_free_the_engine(serve, reference, store):
 
 
 def test_full_queue_answers_429_at_once(serve, store):
-    server = serve(store, max_queue=1)
+    server = serve(store, max_queue=1, max_batch=1)  # one request runs, one waits
     with server.http() as http:
         running = LongStream(http, first_chunks=1)
         with server.http() as other:

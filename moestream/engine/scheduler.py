@@ -1,0 +1,144 @@
+"""Continuous batching: up to `max_batch` sequences decode together, one token each per step, while new prompts
+are prefilled a chunk per step between those steps, so a long prompt delays the others by a chunk at a time.
+
+Running sequences hold the decoder's first batch slots, so the batch's graph (one per size) replays over the same
+buffers whatever sequences they hold; the one prompt being prefilled holds the slot after them. A sequence that
+ends leaves at once, and the last running one moves into its slot (a copy of its used rows). A row's bits do not
+depend on the batch (engine/decode.py), nor a prompt's chunks on what else runs, so a request's tokens are the
+ones it gets alone. One sequence alone steps on its own, with drafts when speculation is on; speculation and the
+PLE tables' disk tier (their rows staged per step on the host) run one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from moestream.engine.generate import Generation, Step
+
+
+@dataclass
+class Request:
+    """A prompt waiting for a slot, then its generation; `steps` are its tokens not yet taken by its caller."""
+
+    open: Callable[[int], Generation]  # its generation, started on the given slot's state
+    cancelled: Callable[[], bool] | None = None
+    generation: Generation | None = None
+    slot: int | None = None
+    steps: deque[Step] = field(default_factory=deque)
+    finished: bool = False
+    finish_reason: str | None = None  # set when it ends: a step's reason, or "cancelled"
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled is not None and self.cancelled()
+
+
+class Scheduler:
+    def __init__(self, decoder, max_batch: int, prefill_tokens: int):
+        """`max_batch`: the most sequences that run at once (1 with speculation, or a PLE table on disk);
+        `prefill_tokens`: the prompt tokens a step feeds, a chunk of one prompt or several short prompts whole."""
+        self.decoder, self.max_batch, self.prefill_tokens = decoder, max_batch, prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.prefilling: Request | None = None
+        self.running: list[Request] = []  # in slot order: running[i] holds slot i
+        self.batch_rows: dict[int, int] = {}  # rows a decode step had -> how many such steps
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def rows_in_use(self) -> int:
+        """Positions the sequences in slots hold (each a row of every attention layer's cache)."""
+        held = [*self.running, *([self.prefilling] if self.prefilling else [])]
+        return sum(r.generation.seq.state.length for r in held if r.generation is not None)
+
+    def rows_reserved(self) -> int:
+        return sum(s.capacity for s in self.decoder.slots)
+
+    def submit(self, request: Request) -> Request:
+        self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """End `request` now, wherever it is (its caller stopped it, e.g. at a stop string)."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, reason)
+
+    def fail_all(self) -> list[Request]:
+        """After a step failed: every request in flight ends (the caller reports the error); returns them."""
+        failed = [*self.running, *([self.prefilling] if self.prefilling else []), *self.waiting]
+        self.waiting.clear()
+        for request in failed:
+            self._finish(request, "error")
+        return failed
+
+    def step(self) -> None:
+        """One engine step: cancelled requests leave, waiting prompts take free slots and are prefilled up to the
+        step's prompt tokens (a chunk at a time, one prompt after another), and every running sequence gets one
+        token."""
+        for request in [*self.waiting, *self.running, *([self.prefilling] if self.prefilling else [])]:
+            if request.is_cancelled():
+                self.cancel(request)
+        budget = self.prefill_tokens
+        while budget > 0:
+            if self.prefilling is None:
+                if not self.waiting or len(self.running) >= self.max_batch:
+                    break
+                request = self.prefilling = self.waiting.popleft()
+                request.slot = len(self.running)
+                request.generation = request.open(request.slot)
+            request = self.prefilling
+            before = request.generation.seq.state.length
+            self._deliver(request, request.generation.prefill_chunk())
+            budget -= request.generation.seq.state.length - before
+            if request.generation.prefilled and not request.finished:
+                self.prefilling = None
+                self._join(request)
+        if self.running:
+            self._decode()
+
+    def _join(self, request: Request) -> None:
+        """A prefilled sequence joins the running ones, in the slot after theirs."""
+        target = len(self.running)
+        if request.slot != target:  # a running one ended while it was prefilled
+            request.generation.seq.state = self.decoder.move(request.slot, target)
+            request.slot = target
+        self.running.append(request)
+
+    def _decode(self) -> None:
+        running = list(self.running)
+        rows = len(running)
+        self.batch_rows[rows] = self.batch_rows.get(rows, 0) + 1
+        if rows == 1:
+            g = running[0].generation
+            self._deliver(running[0], g.step_alone(self.decoder.step, self.decoder.forward))
+            return
+        gens = [r.generation for r in running]
+        logits = self.decoder.step_batch([g.last for g in gens], [g.seq.state for g in gens])
+        if all(g.sampler.greedy for g in gens):  # every row's token in one read
+            for request, token in zip(running, logits.argmax(-1).tolist()):
+                self._deliver(request, request.generation.take_token(token))
+        else:
+            for request, row in zip(running, logits):
+                self._deliver(request, request.generation.take(row))
+
+    def _deliver(self, request: Request, steps: list[Step]) -> None:
+        request.steps.extend(steps)
+        if steps and steps[-1].finish_reason:
+            self._finish(request, steps[-1].finish_reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finished, request.finish_reason = True, reason
+        if request is self.prefilling:
+            self.prefilling = None
+        elif request in self.running:
+            i = self.running.index(request)
+            last = self.running.pop()
+            if last is not request:  # the last running sequence takes the freed slot
+                last.generation.seq.state = self.decoder.move(last.slot, i)
+                last.slot = i
+                self.running[i] = last

@@ -1,0 +1,124 @@
+"""Continuous batching: a request's tokens do not depend on what else runs with it (engine/scheduler.py)."""
+
+import pytest
+import torch
+
+from moestream.engine.llm import LLM
+from moestream.sampling import SamplingParams
+from tests.conftest import MODEL_TYPES
+from tests.engine.runs import prompt_of
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def _prompts(llm: LLM, n: int = 8) -> list[list[int]]:
+    return [prompt_of(llm, 3 + 5 * i, seed=i) for i in range(n)]  # 3..38 tokens: they join the batch apart
+
+
+def _quarter_pool(store: str) -> dict:
+    llm = LLM(store, device="cpu", max_batch=1)
+    try:
+        pool = llm.provider.pool
+        return dict(pool_gb=pool.stride * llm.provider.geometry.num_records / 4e9, host_gb=1.0)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("tier", ["resident", "25% pool + host"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_eight_requests_together_get_the_tokens_each_gets_alone(tiny, model_type, tier):
+    store = tiny.store(model_type)
+    llm = LLM(store, device="cpu", **({} if tier == "resident" else _quarter_pool(store)))
+    try:
+        prompts = _prompts(llm)
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        together = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+        batches = llm.scheduler.batch_rows
+    finally:
+        llm.close()
+    assert together == alone
+    assert max(batches) == 8, batches  # all eight ran in one step
+
+
+def test_batched_rows_have_the_bits_of_single_steps(tiny):
+    """The decoder level: logits of one batched step equal those of each sequence's own step, bit for bit."""
+    llm = LLM(tiny.store("qwen4_exp"), device="cpu")
+    try:
+        prompts = _prompts(llm, 4)
+        states = [llm.decoder.new_state(i) for i in range(4)]
+        with torch.inference_mode():
+            for p, state in zip(prompts, states):
+                llm.model(torch.tensor(p), state)
+            snapshots = [s.snapshot() for s in states]
+            batched = llm.decoder.step_batch([5, 6, 7, 8], states)
+            alone = []
+            for token, state, snapshot in zip([5, 6, 7, 8], states, snapshots):
+                state.load(snapshot)
+                alone.append(llm.decoder.step(token, state))
+        assert torch.equal(batched, torch.stack(alone))
+    finally:
+        llm.close()
+
+
+def test_sequences_leave_and_join_a_running_batch(tiny):
+    """Different lengths: the batch shrinks as each ends (the last one moves into the freed slot); a request
+    submitted while others decode joins them; each gets its own tokens."""
+    llm = LLM(tiny.store("qwen3_next"), device="cpu")
+    try:
+        prompts = _prompts(llm, 6)
+        params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True) for i in range(6)]
+        alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+        requests = [llm._submit(p, q) for p, q in zip(prompts[:5], params[:5])]
+        for _ in range(3):
+            llm.step()
+        requests.append(llm._submit(prompts[5], params[5]))
+        while llm.scheduler.busy:
+            llm.step()
+        assert [[s.token for s in r.steps] for r in requests] == alone
+        assert llm.scheduler.running == [] and llm.scheduler.prefilling is None
+    finally:
+        llm.close()
+
+
+def test_a_cancelled_request_leaves_before_the_next_step(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    try:
+        stop = {"now": False}
+        prompts = _prompts(llm, 3)
+        alone = llm.generate([prompts[1]], GREEDY)[0].token_ids
+        requests = [llm._submit(p, GREEDY, cancelled=(lambda: stop["now"]) if i == 0 else None)
+                    for i, p in enumerate(prompts)]
+        for _ in range(3):
+            llm.step()
+        assert len(llm.scheduler.running) == 3
+        stop["now"] = True
+        llm.step()
+        assert requests[0].finished and requests[0].finish_reason == "cancelled"
+        assert len(llm.scheduler.running) == 2
+        while llm.scheduler.busy:
+            llm.step()
+        assert [s.token for s in requests[1].steps] == alone
+    finally:
+        llm.close()
+
+
+def test_seeded_sampling_is_the_same_in_a_batch(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    try:
+        prompts = _prompts(llm, 4)
+        params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+        alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+        assert [out.token_ids for out in llm.generate(prompts, params)] == alone
+    finally:
+        llm.close()
+
+
+def test_short_prompts_are_prefilled_together_in_one_step(tiny):
+    """The step's prompt-token budget (a prefill chunk) takes several short prompts whole."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=64)
+    try:
+        requests = [llm._submit(p, GREEDY) for p in _prompts(llm, 4)]  # 3 + 8 + 13 + 18 tokens
+        llm.step()
+        assert len(llm.scheduler.running) == 4 and all(len(r.steps) == 2 for r in requests)
+    finally:
+        llm.close()

@@ -1,0 +1,36 @@
+"""test_batching.py on CUDA (bf16): batched steps replay their own graphs and keep every request's tokens."""
+
+import pytest
+import torch
+
+from moestream.engine.llm import LLM
+from tests.conftest import MODEL_TYPES
+from tests.engine.runs import static_hyper_store
+from tests.engine.test_batching import GREEDY, _prompts, _quarter_pool
+
+pytestmark = pytest.mark.gpu
+
+SETTINGS = {"resident": {}, "25% pool + host": "quarter", "25% pool + disk": "quarter, no host",
+            "handshake": dict(decode_mode="handshake")}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("model_type", [*MODEL_TYPES, "qwen4_exp_static"])
+def test_gpu_eight_requests_together_get_the_tokens_each_gets_alone(tiny, tmp_path, model_type, setting):
+    store = static_hyper_store(str(tmp_path / "s")) if model_type == "qwen4_exp_static" else tiny.store(model_type)
+    options = SETTINGS[setting]
+    if isinstance(options, str):
+        options = _quarter_pool(store) | ({"host_gb": 0} if "no host" in options else {})
+    llm = LLM(store, device="cuda", **options)
+    try:
+        prompts = _prompts(llm)
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        replays = llm.decoder.graph_replays
+        together = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+        graphed = (8, True) in llm.decoder.graphs and llm.decoder.graph_replays > replays
+        expect_graphs = setting in ("resident", "25% pool + host")  # every record addressable
+    finally:
+        llm.close()
+        torch.cuda.empty_cache()
+    assert together == alone
+    assert graphed == expect_graphs
