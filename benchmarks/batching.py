@@ -22,36 +22,41 @@ from moestream.sampling import SamplingParams
 PROMPT, NEW = 64, 64
 
 
-def _decode(llm: LLM, prompts: list[list[int]], new: int) -> tuple[float, dict]:
-    """Submit every prompt, step until all decode together, then time the steps to the end; returns the seconds
-    and what the expert counters moved by over them (all precisions)."""
+def _sync(llm: LLM) -> None:
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _decode(llm: LLM, prompts: list[list[int]], new: int) -> dict:
+    """Submit every prompt, step until all decode together, then time the steps to the end: their tokens, seconds
+    and steps, and what the expert counters moved by over them (all precisions)."""
     requests = [llm._submit(p, SamplingParams(max_tokens=new, ignore_eos=True)) for p in prompts]
     while len(llm.scheduler.running) < len(prompts):
         llm.step()
-    assert all(len(r.steps) == 1 for r in requests)  # the prompts' first tokens only: no decode step yet
-    before = llm.provider.totals()
-    torch.cuda.synchronize()
+    made, steps, before = sum(len(r.steps) for r in requests), sum(llm.scheduler.batch_rows.values()), \
+        llm.provider.totals()
+    _sync(llm)
     tic = time.perf_counter()
     while llm.scheduler.busy:
         llm.step()
-    seconds = time.perf_counter() - tic
+    out = {"seconds": time.perf_counter() - tic, "tokens": sum(len(r.steps) for r in requests) - made,
+           "steps": sum(llm.scheduler.batch_rows.values()) - steps}
     after = llm.provider.totals()
-    moved = {k: sum(after[p][k] - before.get(p, {}).get(k, 0) for p in after) for k in ("lookups", "misses")}
-    moved["host_bytes"] = sum(after[p]["reads"]["host"]["bytes"] - (before[p]["reads"]["host"]["bytes"]
-                                                                    if p in before else 0) for p in after)
-    return seconds, moved
+    out |= {k: sum(after[p][k] - before.get(p, {}).get(k, 0) for p in after) for k in ("lookups", "misses")}
+    out["host_bytes"] = sum(after[p]["reads"]["host"]["bytes"] - (before[p]["reads"]["host"]["bytes"]
+                                                                  if p in before else 0) for p in after)
+    return out
 
 
 def measure(llm: LLM, streams: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(PROMPT)] for _ in range(streams)]
     _decode(llm, prompts, 4)  # this batch size's graph captured
-    seconds, moved = _decode(llm, prompts, NEW)
-    steps, layers = NEW - 1, llm.provider.geometry.num_layers
-    per_step = {k: v / steps for k, v in moved.items()}
-    return {"streams": streams, "decode_tok_s": streams * steps / seconds, "step_ms": 1e3 * seconds / steps,
-            "union_per_layer": per_step["lookups"] / layers, "misses_per_layer": per_step["misses"] / layers,
-            "host_bytes_per_step": per_step["host_bytes"]}
+    run = _decode(llm, prompts, NEW)
+    steps, layers = run["steps"], llm.provider.geometry.num_layers
+    return {"streams": streams, "decode_tok_s": run["tokens"] / run["seconds"], "step_ms": 1e3 * run["seconds"] / steps,
+            "union_per_layer": run["lookups"] / steps / layers, "misses_per_layer": run["misses"] / steps / layers,
+            "host_bytes_per_step": run["host_bytes"] / steps}
 
 
 def main() -> None:
@@ -68,7 +73,7 @@ def main() -> None:
     llm = LLM(args.store, pool_gb=total_gb * args.pool_frac * 1.0001, host_gb=total_gb * 1.01 if args.host else 0)
     rows = [measure(llm, int(n)) for n in args.streams.split(",")]
     one = rows[0]["decode_tok_s"]
-    pcie = h2d_gbs() * 1e9
+    pcie = h2d_gbs() * 1e9 if torch.cuda.is_available() else float("nan")
     for row in rows:
         row["vs_one_stream"] = row["decode_tok_s"] / one
         if row["host_bytes_per_step"]:

@@ -44,21 +44,20 @@ class Client:
     def complete(self, prompt: list[int], tokens: int) -> dict:
         """One streaming completion: when each text chunk arrived, and the usage."""
         body = json.dumps({"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}})
+                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
         start = time.perf_counter()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         response = conn.getresponse()
         assert response.status == 200, response.read()
-        arrivals, usage = [], None
+        arrivals, usage = [], None  # (when, tokens so far) of each text chunk
         for line in response:
             if not line.startswith(b"data: {"):
                 continue
             event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            elif event["choices"] and event["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
+            usage = event.get("usage") or usage
+            if event["choices"] and event["choices"][0]["text"]:
+                arrivals.append((time.perf_counter(), usage["completion_tokens"]))
         conn.close()
         return {"start": start, "arrivals": arrivals, "tokens": usage["completion_tokens"]}
 
@@ -92,8 +91,11 @@ def load(client: Client, clients: int, requests: int, vocab: int, seed: int) -> 
     wall = time.perf_counter() - start
     running.clear()
     prober.join()
-    gaps = [b - a for r in done for a, b in zip(r["arrivals"], r["arrivals"][1:])]
-    ttft = [r["arrivals"][0] - r["start"] for r in done if r["arrivals"]]
+    # a chunk holds the text of every token since the last (a character's bytes may span tokens): its gap is
+    # spread over them
+    gaps = [(b - a) / (m - n) for r in done for (a, n), (b, m) in zip(r["arrivals"], r["arrivals"][1:])
+            for _ in range(m - n)]
+    ttft = [r["arrivals"][0][0] - r["start"] for r in done if r["arrivals"]]
     tokens = sum(r["tokens"] for r in done)
     return {"clients": clients, "requests": len(done), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
@@ -136,9 +138,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
     p.add_argument("--port", type=int, default=8431)
     p.add_argument("--label", default="")
-    p.add_argument("engine", nargs=argparse.REMAINDER, help="after --: options for `moestream serve`")
-    args = p.parse_args()
-    options = [a for a in args.engine if a != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, options = p.parse_args(argv[:cut]), argv[cut + 1:]  # after --: options for `moestream serve`
     server = subprocess.Popen([sys.executable, "-m", "moestream", "serve", args.store, "--port", str(args.port),
                                "--max-queue", "256", "--log-level", "warning", *options])
     client = Client(args.port)

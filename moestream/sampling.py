@@ -62,6 +62,9 @@ def _need(ok: bool, field: str, what: str) -> None:
         raise RequestError(f"{field} {what}")
 
 
+GREEDY_BELOW = 1e-5  # a temperature below samples greedily (vLLM's rule): dividing by it would overflow to inf
+
+
 class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device):
         self.p = params
@@ -78,7 +81,7 @@ class Sampler:
     @property
     def greedy(self) -> bool:
         """Plain greedy: the token is the logits' argmax, whatever came before."""
-        return self.p.temperature == 0 and not self.needs_history
+        return self.p.temperature < GREEDY_BELOW and not self.needs_history
 
     def __call__(self, logits: torch.Tensor, previous: list[int]) -> int:
         """logits [vocab] float32 -> the next token id; `previous` (the tokens so far) matters only to the
@@ -103,7 +106,7 @@ class Sampler:
     def distribution(self, logits: torch.Tensor, previous: list[int]) -> torch.Tensor | None:
         """What the next token is drawn from [vocab] (speculative sampling accepts against it); None when greedy."""
         p = self.p
-        if p.temperature == 0:
+        if p.temperature < GREEDY_BELOW:
             return None
         logits = self.penalised(logits, previous) / p.temperature
         if p.top_k:

@@ -49,9 +49,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm, k_norm, eps: float,
-                       zero_centered: bool, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """A decode token's q/k norms, rotary and KV cache write (reference.qk_norm_rope_cache)."""
+                       zero_centered: bool, cos: torch.Tensor, sin: torch.Tensor, k_cache, v_cache,
+                       position: torch.Tensor) -> torch.Tensor:
+    """Decode tokens' q/k norms, rotary and KV cache writes, into one cache or each token's own
+    (reference.qk_norm_rope_cache)."""
     args = (qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, zero_centered, cos, sin, k_cache, v_cache, position)
     if use_triton(qkv.device):
         from moestream.kernels import rowwise
@@ -103,11 +104,10 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
     return reference.moe_combine(y, weights, shared, shared_gate)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
-                     scale: float, rows: torch.Tensor | None = None, gate: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """One query token over cache rows 0..position or the listed `rows`, optionally gated
-    (reference.decode_attention); no host sync on Triton."""
+def decode_attention(q: torch.Tensor, k_cache, v_cache, position: torch.Tensor, scale: float,
+                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Query tokens, each over its cache's rows 0..position (one cache for all, or each its own), or one over the
+    listed `rows`, optionally gated (reference.decode_attention); no host sync on Triton."""
     if use_triton(q.device):
         from moestream.kernels import decode_attention as kernel
 

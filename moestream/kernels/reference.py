@@ -34,20 +34,26 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
                        k_norm: torch.Tensor | None, eps: float, zero_centered: bool, cos: torch.Tensor,
-                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       position: torch.Tensor) -> torch.Tensor:
-    """One decode token's [q | k | v] projection row qkv [1, width] (q heads may carry a gate half after their
-    query) -> q [1, heads, head_dim], RMS-normed (q_norm, k_norm weights, or none) and rotated; k, normed and
-    rotated, and v are written to the caches [capacity, kv_heads, head_dim] at row `position` [1]."""
+                       sin: torch.Tensor, k_cache, v_cache, position: torch.Tensor) -> torch.Tensor:
+    """Decode tokens' [q | k | v] projection rows qkv [T, width] (q heads may carry a gate half after their query)
+    -> q [T, heads, head_dim], RMS-normed (q_norm, k_norm weights, or none) and rotated; token t's k, normed and
+    rotated, and v are written to its caches [capacity, kv_heads, head_dim] (one for all tokens, or lists of T) at
+    row position[t]. A token at a time, as one decode step computes it."""
+    ks, vs = (k_cache, v_cache) if isinstance(k_cache, list) else ([k_cache] * qkv.shape[0], [v_cache] * qkv.shape[0])
     kv = kv_heads * head_dim
-    q = qkv[:, : qkv.shape[-1] - 2 * kv].view(1, heads, -1)[..., :head_dim]
-    k, v = (part.view(1, kv_heads, head_dim) for part in qkv[:, qkv.shape[-1] - 2 * kv:].split(kv, dim=-1))
-    if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps, zero_centered), rms_norm(k, k_norm, eps, zero_centered)
-    q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-    k_cache.index_copy_(0, position, k)
-    v_cache.index_copy_(0, position, v)
-    return q
+    out = []
+    for t in range(qkv.shape[0]):
+        row = qkv[t: t + 1]
+        q = row[:, : row.shape[-1] - 2 * kv].view(1, heads, -1)[..., :head_dim]
+        k, v = (part.view(1, kv_heads, head_dim) for part in row[:, row.shape[-1] - 2 * kv:].split(kv, dim=-1))
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps, zero_centered), rms_norm(k, k_norm, eps, zero_centered)
+        rot = cos[t: t + 1], sin[t: t + 1]
+        q, k = rotary(q, *rot), rotary(k, *rot)
+        ks[t].index_copy_(0, position[t: t + 1], k)
+        vs[t].index_copy_(0, position[t: t + 1], v)
+        out.append(q)
+    return torch.cat(out)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -243,20 +249,26 @@ def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
     return gated_rms_norm(out.to(mixed.dtype), z, norm_weight, eps, activation).reshape(t, -1)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
-                     scale: float, rows: torch.Tensor | None = None, gate: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """One query token q [1, Hq, D] over cache rows 0..position of k_cache, v_cache [C, Hkv, D], or over the
-    cache rows `rows` [S] where they are >= 0 (QSA's selection); query head h reads kv head h // (Hq // Hkv).
-    Returns [1, Hq, D], times sigmoid(gate [1, Hq, D]) where given (the gated attention's output gate)."""
-    if rows is None:
-        n = int(position) + 1
-        k, v, mask = k_cache[:n], v_cache[:n], None
-    else:
-        k, v, mask = k_cache[rows.clamp_min(0)], v_cache[rows.clamp_min(0)], (rows >= 0)[None, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1])
-    out = out[0].transpose(0, 1)
+def decode_attention(q: torch.Tensor, k_cache, v_cache, position: torch.Tensor, scale: float,
+                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Query tokens q [T, Hq, D], token t over rows 0..position[t] of its cache k_cache, v_cache [C, Hkv, D] (one for
+    all tokens, or lists of T), or (T = 1) over the cache rows `rows` [S] where they are >= 0 (QSA's selection);
+    query head h reads kv head h // (Hq // Hkv). Returns [T, Hq, D], times sigmoid(gate [T, Hq, D]) where given
+    (the gated attention's output gate)."""
+    t = q.shape[0]
+    ks, vs = (k_cache, v_cache) if isinstance(k_cache, list) else ([k_cache] * t, [v_cache] * t)
+    out = []
+    for i in range(t):
+        if rows is None:
+            n = int(position[i]) + 1
+            k, v, mask = ks[i][:n], vs[i][:n], None
+        else:
+            k, v, mask = ks[i][rows.clamp_min(0)], vs[i][rows.clamp_min(0)], (rows >= 0)[None, None]
+        one = F.scaled_dot_product_attention(q[i: i + 1].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        out.append(one[0].transpose(0, 1))
+    out = torch.cat(out)
     return out if gate is None else out * torch.sigmoid(gate.reshape(out.shape))
 
 

@@ -16,7 +16,7 @@ from moestream.layers.context import StepContext
 from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import apply_rotary
-from moestream.layers.rows import row_state
+from moestream.layers.rows import Batched
 
 
 class KVCache:
@@ -151,18 +151,17 @@ class Attention(nn.Module):
         keys, values = cache.append(k, v)
         return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)
 
-    def _static(self, x: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _static(self, x: torch.Tensor, rope, positions: torch.Tensor, cache) -> torch.Tensor:
         """Tokens at device-side `positions` [T] over the reserved cache's rows 0..position, so the shapes never
-        change and the step can be captured in a CUDA graph; several rows (a verify step's, or a batched step's,
-        each over its own sequence's cache) one by one, each as a decode step attends."""
-        qkv = self.qkv(x)
+        change and the step can be captured in a CUDA graph; several rows (a verify step's over one cache, whose
+        rows are all written before any attends; a batched step's, each over its own sequence's cache) in one
+        launch each, every row as a decode step computes it."""
+        t, qkv = x.shape[0], self.qkv(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered) \
             if self.qk_norm else (None, None, 0.0, False)
-        cos, sin = rope
-        out = []
-        for r in range(x.shape[0]):
-            row, at, kv = qkv[r: r + 1], positions[r: r + 1], row_state(cache, r)
-            q = ops.qk_norm_rope_cache(row, self.heads, self.kv_heads, self.head_dim, *norms, cos[r: r + 1],
-                                       sin[r: r + 1], kv.k, kv.v, at)
-            out.append(ops.decode_attention(q, kv.k, kv.v, at, self.head_dim ** -0.5, gate=self.gate_heads(row)))
-        return self.o_proj(torch.cat(out).reshape(x.shape[0], -1))
+        batched = isinstance(cache, Batched)
+        keys, values = ([c.k for c in cache], [c.v for c in cache]) if batched else (cache.k, cache.v)
+        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *norms, *rope, keys, values,
+                                   positions)
+        out = ops.decode_attention(q, keys, values, positions, self.head_dim ** -0.5, gate=self.gate_heads(qkv))
+        return self.o_proj(out.reshape(t, -1))

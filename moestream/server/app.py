@@ -145,8 +145,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         shapes = Shapes(chat, settings.model_name)
         endpoint = request.url.path
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _JobStream(jobs, stream(jobs, events, shapes, include_usage, endpoint, req.n or 1),
+            return _JobStream(jobs, stream(jobs, events, shapes, req.stream_options, endpoint, req.n or 1),
                               media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                        "X-Accel-Buffering": "no"})
         watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs, events))
@@ -155,7 +154,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             while any(out is None for out in outs):
                 index, kind, value = await events.get()
                 if kind == "text":
-                    texts[index].append(value)
+                    texts[index].append(value[0])
                 elif kind == "done":
                     outs[index] = value
                 elif kind == "error":
@@ -179,8 +178,9 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param=param)
         return ids
 
-    async def stream(jobs: list[Job], events: asyncio.Queue, shapes: Shapes, include_usage: bool, endpoint: str,
-                     n: int):
+    async def stream(jobs: list[Job], events: asyncio.Queue, shapes: Shapes, options, endpoint: str, n: int):
+        include_usage, continuous_usage = bool(options and options.include_usage), bool(
+            options and options.continuous_usage_stats)
         if shapes.chat:
             for job in jobs:
                 yield _sse(shapes.chunk(job.index, "", first=True))
@@ -191,7 +191,11 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                 if index not in seen:
                     metrics.first_token.labels(endpoint).observe(time.monotonic() - jobs[index].submitted_at)
                     seen.add(index)
-                yield _sse(shapes.chunk(index, value))
+                piece, made = value
+                chunk = shapes.chunk(index, piece)
+                if continuous_usage:  # vLLM's extension: tokens so far on every chunk (a client's per-token timing)
+                    chunk["usage"] = usage(len(jobs[index].prompt_ids), made, 0)
+                yield _sse(chunk)
             elif kind == "done":
                 outs[index] = value
                 yield _sse(shapes.chunk(index, None, value.finish_reason))

@@ -4,7 +4,8 @@ Requests are validated strictly ("0.5" is not a number; strings must be valid Un
 are ignored, as OpenAI clients send many; fields that would change the answer and are not implemented are
 refused unless their value asks for nothing (`UNSUPPORTED`). Differences from OpenAI, on purpose: temperature
 defaults to 0 (greedy) when the field is absent, so the same request gives the same text (and `n` greedy choices
-the same one). Extensions: `top_k`, `repetition_penalty`, `ignore_eos`.
+the same one). Extensions: `top_k`, `repetition_penalty`, `ignore_eos`, and vLLM's
+`stream_options.continuous_usage_stats`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
 class _Request(_Strict):

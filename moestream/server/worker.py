@@ -2,7 +2,8 @@
 
 Contract: `submit` never blocks; it raises `QueueFull` when `max_queue` jobs already wait for the engine. The
 engine thread takes up to the engine's `max_batch` jobs at once into its scheduler (engine/scheduler.py), which
-decodes them together, and delivers events to each submitting event loop: ("text", piece) as text arrives, then
+decodes them together, and delivers events to each submitting event loop: ("text", (piece, tokens so far)) as text
+arrives, then
 ("done", RequestOutput) or ("error", exception). A job whose `cancel` is set is skipped if it has not started, and
 leaves the batch before the next engine step if it has, so an abandoned request frees its slot within one step.
 A failed step fails the jobs it ran (the engine's fault, 5xx), not the engine thread.
@@ -120,7 +121,7 @@ class EngineWorker:
             self.busy_seconds += time.monotonic() - tic
             for job, stream in list(self.active):
                 for piece in stream.pieces():
-                    job.emit("text", piece)
+                    job.emit("text", (piece, len(stream.tokens)))
                 if stream.done:
                     self.active.remove((job, stream))
                     out = stream.output()

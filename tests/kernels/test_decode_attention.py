@@ -68,3 +68,26 @@ def test_cuda_graph_replay_follows_position():
         k[position + 1:], v[position + 1:] = float("nan"), float("nan")
         graph.replay()
         torch.testing.assert_close(out.float(), want(q, k, v, pos, scale), **TOL)
+
+
+@pytest.mark.parametrize("hq,hkv,d,c", [(32, 4, 128, 8192), (16, 2, 256, 300), (8, 8, 64, 64)])
+def test_a_batch_of_tokens_over_their_own_caches_has_each_alone_bits(hq, hkv, d, c):
+    """Five tokens, each over its own cache at its own position, in one launch (gated, the gate a strided view as
+    the projection's is): each token's bits are those of its launch alone, and equal the reference."""
+    pytest.importorskip("triton")
+    from moestream.kernels import decode_attention
+
+    positions = [0, c - 1, c // 3, 5 % c, c // 2]
+    cases = [inputs(hq, hkv, d, c, p, seed=i) for i, p in enumerate(positions)]
+    q = torch.cat([case[0] for case in cases])
+    ks, vs = [case[1] for case in cases], [case[2] for case in cases]
+    pos = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
+    wide = torch.randn(5, hq, 2 * d, generator=torch.Generator().manual_seed(9)).to(DEVICE, DTYPE)
+    gate = wide[..., d:]
+    got = decode_attention.decode_attention(q, ks, vs, pos, d ** -0.5, gate=gate)
+    for i, (qi, k, v, p) in enumerate(cases):
+        alone = decode_attention.decode_attention(qi, k, v, p, d ** -0.5, gate=gate[i: i + 1])
+        assert torch.equal(got[i: i + 1], alone), i
+    expected = reference.decode_attention(q.float(), [k.float() for k in ks], [v.float() for v in vs], pos,
+                                          d ** -0.5, gate=gate.float())
+    torch.testing.assert_close(got.float(), expected, **TOL)
