@@ -234,7 +234,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/stats")
     async def stats():
-        engine = await run_in_threadpool(llm.stats)
+        engine = await asyncio.wrap_future(worker.call(llm.stats))
         return {"engine": engine, "server": server_stats(), "model": model_info()}
 
     def server_stats() -> dict:
@@ -255,7 +255,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        body = await run_in_threadpool(metrics.text)
+        body = await asyncio.wrap_future(worker.call(metrics.text))  # the engine's counters, between two steps
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

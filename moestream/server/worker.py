@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from moestream.engine.stream import TextStream
@@ -23,6 +24,7 @@ from moestream.errors import RequestError
 from moestream.sampling import SamplingParams
 
 log = logging.getLogger("moestream.server")
+IDLE_WAKE_S = 0.05  # how long an idle engine thread waits for a job before it runs the calls waiting for it
 
 
 class QueueFull(Exception):
@@ -62,6 +64,7 @@ class EngineWorker:
         self.max_queue = max_queue
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.active: list[tuple[Job, TextStream]] = []  # the jobs in the engine, with their streams
+        self.calls: queue.Queue = queue.Queue()  # (fn, future) to run on the engine thread
         self.counts = dict(completed=0, cancelled=0, failed=0, rejected=0)
         self.busy_seconds = 0.0
         self.fault: str | None = None  # the engine's last own failure, until a request completes again
@@ -104,8 +107,30 @@ class EngineWorker:
             self.jobs.put(None)
             self.thread.join(timeout)
 
+    def call(self, fn) -> Future:
+        """Run `fn()` on the engine thread between two steps (reading the engine's counters while it steps would
+        race with it); the future has its result."""
+        future: Future = Future()
+        self.calls.put((fn, future))
+        if not self.thread.is_alive():  # not started, or stopped: nothing steps the engine
+            self._run_calls()
+        return future
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self.calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:
+                    future.set_exception(e)
+
     def _loop(self) -> None:
         while self._admit():
+            self._run_calls()
             if not self.active:
                 continue
             tic = time.monotonic()
@@ -133,13 +158,14 @@ class EngineWorker:
         """Move queued jobs into the engine while it has room, waiting for one when it has none to run; False
         when the worker is told to stop."""
         while len(self.active) < self.llm.max_batch:
-            try:
-                job = self.jobs.get(block=not self.active)
+            try:  # idle, it wakes now and then for the calls
+                job = self.jobs.get(timeout=IDLE_WAKE_S) if not self.active else self.jobs.get_nowait()
             except queue.Empty:
                 return True
             if job is None:
                 for _, stream in self.active:
                     stream.close()
+                self._run_calls()
                 return False
             if job.cancel.is_set():
                 self.counts["cancelled"] += 1

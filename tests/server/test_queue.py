@@ -90,3 +90,18 @@ def test_full_queue_answers_429_at_once(serve, store):
         assert again.status_code == 200
     counts = server.stats()["server"]["requests"]
     assert (counts["rejected"], counts["cancelled"], counts["completed"]) == (1, 2, 1)
+
+
+def test_metrics_and_stats_answer_while_requests_decode(serve, store):
+    """The engine's counters are read on its own thread between two steps: scrapes during a batch of streams all
+    answer (read from another thread they raced with the step: 'dictionary keys changed during iteration')."""
+    server = serve(store)
+    with server.http() as http:
+        streams = [LongStream(http, first_chunks=1) for _ in range(3)]
+        for _ in range(10):
+            assert http.get("/metrics").status_code == 200
+            assert http.get("/v1/stats").json()["server"]["queue"]["running"] == 3
+        text = http.get("/metrics").text
+        assert "moestream_sequences_decoding 3.0" in text and 'moestream_decode_steps_total{batch="3"}' in text
+        for stream in streams:
+            stream.leave()
