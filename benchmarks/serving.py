@@ -4,7 +4,8 @@ aggregate output tok/s, time to first token and inter-token latency (p50/p99), a
 took to answer meanwhile; at the end, the engine's decode steps by batch size (from /metrics). A plot of aggregate
 tok/s against N beside the JSON.
 
-  python -m benchmarks.serving STORE OUT.json [--clients 1,2,4,8,16,32] [--requests 2] [-- ENGINE OPTIONS...]
+  python -m benchmarks.serving STORE OUT.json [--clients 1,2,4,8,16,32] [--requests 2] [-- SERVE OPTIONS...]
+  python -m benchmarks.serving --plot OUT.png RUN.json...
 """
 
 from __future__ import annotations
@@ -112,25 +113,31 @@ def decode_steps_by_batch(metrics: bytes) -> dict[int, int]:
     return out
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(runs: list[dict], path: str) -> None:
+    """Aggregate tok/s against the clients, a line a run."""
     try:
         import matplotlib
     except ImportError:
         print("no matplotlib: no plot")
         return
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([r["clients"] for r in rows], [r["tok_s"] for r in rows], marker="o")
-    ax.set(xscale="log", xlabel="concurrent clients", ylabel="aggregate output tok/s", title=title)
-    ax.set_xticks([r["clients"] for r in rows], [str(r["clients"]) for r in rows])
+    for run in runs:
+        rows = run["rows"]
+        ax.plot([r["clients"] for r in rows], [r["tok_s"] for r in rows], marker="o", label=run["label"])
+    ax.set(xscale="log", xlabel="concurrent streaming clients", ylabel="aggregate output tok/s")
+    ax.set_xticks([r["clients"] for r in runs[0]["rows"]], [str(r["clients"]) for r in runs[0]["rows"]])
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--plot"]:  # --plot OUT.png RUN.json...: the runs on one plot
+        plot([json.load(open(path)) for path in sys.argv[3:]], sys.argv[2])
+        return
     p = argparse.ArgumentParser()
     p.add_argument("store")
     p.add_argument("out")
@@ -168,7 +175,7 @@ def main() -> None:
               "decode_steps_by_batch": steps}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    plot(rows, args.out.rsplit(".", 1)[0] + ".png", args.label or "serving")
+    plot([result], args.out.rsplit(".", 1)[0] + ".png")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ class Decoder:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]] = {}
         self.graph_replays = 0
         self.slots: list[SequenceState] = []  # the static steps' own states, which the graphs read and write
+        self.views: dict[int, tuple[list, SequenceState]] = {}  # rows -> the first slots' states, their batched view
         if self.static:
             self.slots.append(self._static_state())
 
@@ -101,11 +102,11 @@ class Decoder:
         advances the state (`state.advance`, or `state.accept` after a verify step). `hidden`: the MTP head's."""
         rows, start = len(tokens), state.length if start is None else start
         assert self.static and rows <= self.max_rows
-        self._make_room(state, start + rows)
+        capacity = self._make_room(state, start + rows)
         inputs = self._inputs(rows, False)
         self._load(inputs, tokens, state, hidden)
         self.position.fill_(start)
-        return self._step((rows, False), [state], state)
+        return self._step((rows, False), [state], state, (capacity,))
 
     @torch.inference_mode()
     def step_batch(self, tokens: list[int], states: list[SequenceState]) -> torch.Tensor:
@@ -113,29 +114,39 @@ class Decoder:
         have the bits of single steps; returns their logits [rows, vocab] (float32) and advances the states."""
         rows = len(tokens)
         assert self.static and 1 < rows <= self.max_batch
-        for state in states:
-            self._make_room(state, state.length + 1)
+        capacities = tuple(self._make_room(state, state.length + 1) for state in states)
         inputs = self._inputs(rows, True)
         inputs.tokens.copy_(torch.tensor(tokens))
         inputs.positions.copy_(torch.tensor([s.length for s in states]))
-        view = SequenceState([Batched(layers) for layers in zip(*(s.layers for s in states))])
-        logits = self._step((rows, True), states, view)[1]
+        logits = self._step((rows, True), states, self._view(states), capacities)[1]
         for state, token in zip(states, tokens):
             state.advance([token])
         return logits
 
-    def _make_room(self, state: SequenceState, end: int) -> None:
-        if state.capacity < self.max_context:  # another state (tests): attended over as the decoder's own
+    def _view(self, states: list[SequenceState]) -> SequenceState:
+        """The rows' states layer by layer (layers/rows.py Batched); over the first slots, made once."""
+        kept = self.views.get(len(states))
+        if kept is not None and all(a is b for a, b in zip(kept[0], states)):
+            return kept[1]
+        view = SequenceState([Batched(layers) for layers in zip(*(s.layers for s in states))])
+        if len(states) <= len(self.slots) and all(a is b for a, b in zip(states, self.slots)):
+            self.views[len(states)] = list(states), view
+        return view
+
+    def _make_room(self, state: SequenceState, end: int) -> int:
+        """Room for positions up to `end`; returns the state's capacity."""
+        capacity = state.capacity
+        if capacity < self.max_context:  # another state (tests): attended over as the decoder's own
             state.reserve(self.max_context)
         if end > state.capacity:
             state.reserve(2 * max(state.capacity, end))
+        return capacity if capacity >= self.max_context and end <= capacity else state.capacity
 
-    def _step(self, key: tuple[int, bool], states: list[SequenceState], view: SequenceState):
+    def _step(self, key: tuple[int, bool], states: list[SequenceState], view: SequenceState, capacities: tuple):
         """Replay the step's graph when it was captured over these states' buffers, else run it (and capture it
         when its rows are the first slots and every record is addressable)."""
         rows, batched = key
         own = all(s is slot for s, slot in zip(states, self.slots)) and len(states) <= len(self.slots)
-        capacities = tuple(s.capacity for s in states)
         addresses = self.provider.address_table() if self.mode != "handshake" else None
         captured = self.graphs.get(key)
         if addresses is not None and own and captured is not None and captured[3] == capacities:

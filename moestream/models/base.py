@@ -8,6 +8,7 @@ decode step runs and what a CUDA graph captures. A backbone says how the residua
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -56,15 +57,19 @@ class SequenceState:
         if self.draft is not None and other.draft is not None:
             self.draft.load(other.draft)
 
+    @functools.cached_property
+    def caches(self) -> list:
+        """Its attention layers' caches (the layers' states never change, only what they hold)."""
+        return [s for s in self.layers if hasattr(s, "reserve")]
+
     @property
     def capacity(self) -> int:
         """Rows its attention caches hold (static decode attends over all of them)."""
-        return min((s.k.shape[0] for s in self.layers if hasattr(s, "reserve")), default=1 << 62)
+        return min((c.k.shape[0] for c in self.caches), default=1 << 62)
 
     def reserve(self, rows: int) -> None:
-        for s in self.layers:
-            if hasattr(s, "reserve"):
-                s.reserve(rows)
+        for c in self.caches:
+            c.reserve(rows)
 
     def reset(self) -> None:
         """Empty, keeping its buffers (a captured graph reads them)."""
