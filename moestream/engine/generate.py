@@ -44,11 +44,6 @@ class Sequence:
     timings: Timings = field(default_factory=Timings)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def chunk_end(length: int, total: int, chunk: int) -> int:
     """Where the prefill chunk after `length` of `total` prompt tokens ends: at the next multiple of `chunk` counted
     from the sequence start, so that a state restored at one continues with exactly the forwards of an uncached

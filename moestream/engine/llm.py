@@ -87,7 +87,10 @@ class LLM:
                                      self.max_batch)
             cfg = dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, pool_gb=self.gpu_plan.pool / 1e9))
             self.engine_config = cfg
-        self.provider = ExpertProvider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok)
+        # the batch slots past the first make their decode states as sequences need them: a pool sized from free
+        # memory leaves them room
+        later = (self.max_batch - 1) * state_bytes(self.model, self.dtype, cfg.max_context) if cuda else 0
+        self.provider = ExpertProvider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok, later)
         for block in self.model.moe_blocks(mtp=True):
             block.provider = self.provider
         self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})

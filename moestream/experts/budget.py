@@ -11,8 +11,10 @@ from moestream.errors import BudgetError
 from moestream.experts.store import Store
 
 
-def pool_slots_for(store: Store, cfg: ExpertConfig, device: torch.device, top_k: int, stride: int) -> int:
-    """Pool size in records of `stride` bytes. One decode step needs `top_k` slots at once."""
+def pool_slots_for(store: Store, cfg: ExpertConfig, device: torch.device, top_k: int, stride: int,
+                   reserved: int = 0) -> int:
+    """Pool size in records of `stride` bytes. One decode step needs `top_k` slots at once. From free memory, the
+    pool leaves `reserved` bytes (parts made later: the batch slots' decode states) and some headroom."""
     total = store.manifest.geometry.num_records
     if cfg.pool_gb is not None:
         slots = int(cfg.pool_gb * 1e9 // stride)
@@ -22,7 +24,7 @@ def pool_slots_for(store: Store, cfg: ExpertConfig, device: torch.device, top_k:
         return min(slots, total)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        spare = free - max(2e9, 0.1 * free) - cfg.ring_slots * stride  # KV, activations, scratch
+        spare = free - max(2e9, 0.1 * free) - cfg.ring_slots * stride - reserved  # KV, activations, scratch
     else:
         spare = 0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     slots = min(total, int(spare // stride))

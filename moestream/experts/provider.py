@@ -43,9 +43,10 @@ class ExpertStep:
 
 
 class ExpertProvider:
-    def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int):
+    def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int, reserved: int = 0):
+        """`reserved`: GPU bytes other parts take later, which a pool sized from free memory leaves them."""
         self.cfg, self.top_k = cfg, top_k
-        self.residency = res = Residency(store, cfg, device, top_k)
+        self.residency = res = Residency(store, cfg, device, top_k, reserved)
         self.geometry, self.layout, self.pool, self.stats = res.geometry, res.layouts[res.base], res.pool, res.stats
         self.decode = DecodePath(res, top_k, cfg.lookahead)
         self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead)

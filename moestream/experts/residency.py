@@ -28,7 +28,7 @@ from moestream.stats.counters import ExpertStats
 
 
 class Residency:
-    def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int):
+    def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int, reserved: int = 0):
         self.cfg, self.geometry, self.top_k = cfg, store.manifest.geometry, top_k
         self.base = cfg.precision or store.default_precision
         self.miss = cfg.miss_precision or self.base
@@ -36,7 +36,8 @@ class Residency:
         stride = max(layout.stride for layout in self.layouts.values())
         self.device = Device(device, cfg.io_timeout_s)
         self.stats = ExpertStats(self.geometry.num_layers, self.geometry.num_experts)
-        self.pool = ExpertPool(pool_slots_for(store, cfg, device, top_k, stride), cfg.ring_slots, stride, device)
+        self.pool = ExpertPool(pool_slots_for(store, cfg, device, top_k, stride, reserved), cfg.ring_slots, stride,
+                               device)
         readers = {p: RecordReader(store.experts_path(p), layout.stride, self.geometry.num_records, cfg.direct_io)
                    for p, layout in self.layouts.items()}
         self.stats.direct_io = all(r.direct for r in readers.values())

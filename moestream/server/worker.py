@@ -3,10 +3,10 @@
 Contract: `submit` never blocks; it raises `QueueFull` when `max_queue` jobs already wait for the engine. The
 engine thread takes up to the engine's `max_batch` jobs at once into its scheduler (engine/scheduler.py), which
 decodes them together, and delivers events to each submitting event loop: ("text", (piece, tokens so far)) as text
-arrives, then
-("done", RequestOutput) or ("error", exception). A job whose `cancel` is set is skipped if it has not started, and
-leaves the batch before the next engine step if it has, so an abandoned request frees its slot within one step.
-A failed step fails the jobs it ran (the engine's fault, 5xx), not the engine thread.
+arrives, then ("done", RequestOutput) or ("error", exception). A job whose `cancel` is set is skipped if it has not
+started, and leaves the batch before the next engine step if it has, so an abandoned request frees its slot within
+one step. A failed step fails the jobs it ran (the engine's fault, 5xx), not the engine thread. Reads of the
+engine's counters (`call`) run on the engine thread between two steps.
 """
 
 from __future__ import annotations
