@@ -425,7 +425,7 @@ class EngineConfig:
     speculation: str = "off"
     drafts: int | None = None
     # sequences decoded together (continuous batching; engine/scheduler.py): each holds a decode state of
-    # `max_context` rows once it runs; 1 with speculation, or with a PLE table on disk
+    # `max_context` rows once it runs; 1 with MTP drafts, or with a PLE table on disk
     max_batch: int = 16
 
     def __post_init__(self):

@@ -52,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
                         f"{MAX_DRAFTS})")
     p.add_argument("--max-batch", type=int, choices=range(1, MAX_BATCH + 1), metavar=f"1..{MAX_BATCH}",
                    help=f"sequences decoded together, each with a decode state of --max-context rows (default "
-                        f"{defaults.max_batch}; 1 with --spec)")
+                        f"{defaults.max_batch}; 1 with --spec mtp; with --spec lookup a sequence drafts while it runs "
+                        "alone)")
 
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",

@@ -76,9 +76,9 @@ class LLM:
         if cfg.max_drafts and any(t.host is None for t in ngram_tables(self.model)):
             raise ConfigError("--spec needs the n-gram tables in host memory (--ngram-tier host): a verify step "
                               "reads several tokens' rows in place")
-        # a verify step feeds one sequence, and a table on disk stages one sequence's rows before each step
-        self.max_batch = 1 if cfg.max_drafts or any(t.host is None for t in ngram_tables(self.model)) \
-            else cfg.max_batch
+        # the MTP head keeps one sequence's cache, and a table on disk stages one sequence's rows before each step
+        mtp = cfg.speculation == "mtp" and cfg.max_drafts > 0
+        self.max_batch = 1 if mtp or any(t.host is None for t in ngram_tables(self.model)) else cfg.max_batch
         self.gpu_plan = None
         if cfg.gpu_gb is not None:
             strides = [self.store.manifest.layouts[p].stride for p in (cfg.expert.precision, cfg.expert.miss_precision)

@@ -5,8 +5,9 @@ Running sequences hold the decoder's first batch slots, so the batch's graph (on
 buffers whatever sequences they hold; the one prompt being prefilled holds the slot after them. A sequence that
 ends leaves at once, and the last running one moves into its slot (a copy of its used rows). A row's bits do not
 depend on the batch (engine/decode.py), nor a prompt's chunks on what else runs, so a request's tokens are the
-ones it gets alone. One sequence alone steps on its own, with drafts when speculation is on; speculation and the
-PLE tables' disk tier (their rows staged per step on the host) run one sequence at a time.
+ones it gets alone. One sequence alone steps on its own, with drafts when speculation is on (several step
+together without them); MTP drafting (the head keeps one sequence's cache) and the PLE tables' disk tier (their
+rows staged per step on the host) run one sequence at a time.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Request:
 
 class Scheduler:
     def __init__(self, decoder, max_batch: int, prefill_tokens: int):
-        """`max_batch`: the most sequences that run at once (1 with speculation, or a PLE table on disk);
+        """`max_batch`: the most sequences that run at once (1 with MTP drafts, or a PLE table on disk);
         `prefill_tokens`: the prompt tokens a step feeds, a chunk of one prompt or several short prompts whole."""
         self.decoder, self.max_batch, self.prefill_tokens = decoder, max_batch, prefill_tokens
         self.waiting: deque[Request] = deque()

@@ -122,3 +122,25 @@ def test_short_prompts_are_prefilled_together_in_one_step(tiny):
         assert len(llm.scheduler.running) == 4 and all(len(r.steps) == 2 for r in requests)
     finally:
         llm.close()
+
+
+def test_lookup_drafts_alone_and_plain_rows_in_a_batch(tiny):
+    """With --spec lookup a sequence alone verifies drafts; several run as plain batched rows. Greedy tokens stay
+    those of speculation off either way."""
+    store = tiny.store("qwen3_5_moe")
+    plain = LLM(store, device="cpu")
+    try:
+        prompts = [p * 3 for p in _prompts(plain, 4)]  # repeats: lookup finds drafts
+        want = [plain.generate([p], GREEDY)[0].token_ids for p in prompts]
+    finally:
+        plain.close()
+    llm = LLM(store, device="cpu", speculation="lookup", drafts=2)
+    try:
+        assert llm.max_batch == 16
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        assert sum(llm.stats()["speculation"]["proposed"]) > 0
+        together = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+        assert max(llm.scheduler.batch_rows) == 4
+    finally:
+        llm.close()
+    assert alone == want and together == want

@@ -38,9 +38,10 @@ def test_the_plan_counts_the_verify_steps_row_copies(tiny):
         for s in state.layers:  # DeltaNet layers, and PLE layers' two states
             for part in (s, getattr(s, "mixer", None), getattr(s, "ple", None)):
                 copies += part.rows.bytes() if getattr(part, "rows", None) is not None else 0
-        assert llm.gpu_plan.state == state_bytes(model, dtype, llm.engine_config.max_context, 5)
-        assert llm.gpu_plan.state - state_bytes(model, dtype, llm.engine_config.max_context) == copies > 0
-        assert llm.stats()["memory"]["decode_state"] == llm.gpu_plan.state
+        one = llm.gpu_plan.state // llm.max_batch  # a decode state per batch slot
+        assert one == state_bytes(model, dtype, llm.engine_config.max_context, 5)
+        assert one - state_bytes(model, dtype, llm.engine_config.max_context) == copies > 0
+        assert llm.stats()["memory"]["decode_state"] == one  # one slot made so far
     finally:
         llm.close()
 
