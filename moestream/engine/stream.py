@@ -42,6 +42,9 @@ class TextStream:
         self.tokens: list[int] = []
         self.text, self.finish_reason, self.request = "", None, None
         self.stopped = False  # at a stop string
+        # incremental decoding: the text of tokens[:_read] is _settled; tokens[_context:_read] decode to _context_text
+        self._context = self._read = 0
+        self._settled = self._context_text = ""
 
     def start(self) -> None:
         """Queue the request; a bad one is refused here."""
@@ -79,7 +82,7 @@ class TextStream:
     def _feed(self, step) -> str:
         self.tokens.append(step.token)
         self.finish_reason = step.finish_reason
-        full = self.llm._text(self.tokens)
+        full = self._decoded()
         cut = min((full.find(s) for s in self.params.stop if s in full), default=-1)
         if cut >= 0:
             full, self.finish_reason, self.stopped = full[:cut], "stop", True
@@ -88,6 +91,26 @@ class TextStream:
             full = full[: len(full) - _held_back(full, self.params.stop)]
         piece, self.text = full[len(self.text):], full
         return piece
+
+    def _decoded(self) -> str:
+        """The answer's text so far, decoding only the tokens since the text last ended on a whole character, after
+        the tokens of the piece before them as context (a word's leading space, a clean-up across the seam): each
+        token costs a window's decode, not the whole answer's. A tokenizer whose window text does not begin with its
+        context's is decoded whole."""
+        window = self.llm._text(self.tokens[self._context:])
+        if not window.startswith(self._context_text):
+            self._context = self._read = 0
+            self._settled = self._context_text = ""
+            window = self.llm._text(self.tokens)
+        full = self._settled + window[len(self._context_text):]
+        if not full.endswith("\ufffd"):  # whole characters: the next window starts after these tokens
+            self._context, self._read, self._settled = self._read, len(self.tokens), full
+            while True:  # context that decodes to something (skipped special tokens give the seam no space)
+                self._context_text = self.llm._text(self.tokens[self._context: self._read])
+                if self._context_text or self._context == 0:
+                    break
+                self._context -= 1
+        return full
 
     def _settle(self) -> None:
         if not self.stopped and self.request.finish_reason == "cancelled":
