@@ -76,6 +76,7 @@ class Decoder:
             self.slots.append(self._static_state())
         if self.slots[slot].capacity != self.capacity:
             self.slots[slot] = self._static_state()
+            self.graphs, self.views = {}, {}  # they were captured over the old buffers
         self.slots[slot].reset()
         return self.slots[slot]
 

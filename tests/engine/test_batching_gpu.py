@@ -34,3 +34,17 @@ def test_gpu_eight_requests_together_get_the_tokens_each_gets_alone(tiny, tmp_pa
         torch.cuda.empty_cache()
     assert together == alone
     assert graphed == expect_graphs
+
+
+def test_gpu_batches_past_the_reserved_context_keep_their_tokens(tiny):
+    """Slots grow past max_context in a batch (the graphs are captured anew over the grown buffers), and are made
+    anew for the next requests (graphs over freed buffers must never replay)."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cuda", max_context=16)  # prompts of 3-18 tokens, 10 more each
+    try:
+        prompts = _prompts(llm, 4)
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        for _ in range(2):
+            assert [out.token_ids for out in llm.generate(prompts, GREEDY)] == alone
+    finally:
+        llm.close()
+        torch.cuda.empty_cache()
