@@ -50,14 +50,14 @@ def _send(http, path: str, body) -> None:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(body=chat_bodies)
 def test_chat_bodies_never_get_a_5xx(http, body):
     _send(http, "/v1/chat/completions", body)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(body=completion_bodies)
 def test_completion_bodies_never_get_a_5xx(http, body):
