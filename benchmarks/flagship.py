@@ -148,7 +148,7 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--ngram-rows", type=int, default=1_000_000, help="rows per n-gram head")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--routing", help="a routing trace (e.g. results/demo-model/trace-3.jsonl.gz): its own store, "
+    p.add_argument("--routing", help="a routing trace (from generate --trace-routing): its own store, "
                                      "routers following the trace's popularity per layer")
     p.add_argument("--precisions", default="q4,q2",
                    help="store: the record files (the Q2 file takes ~4 minutes to write there; rows that need it "
