@@ -52,7 +52,7 @@ class Decoder:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]] = {}
         self.graph_replays = 0
         self.slots: list[SequenceState] = []  # the static steps' own states, which the graphs read and write
-        self.views: dict[int, tuple[list, SequenceState]] = {}  # rows -> the first slots' states, their batched view
+        self.views: dict[int, SequenceState] = {}  # rows -> the batched view of the first slots' states
         if self.static:
             self.slots.append(self._static_state())
 
@@ -126,28 +126,34 @@ class Decoder:
 
     def _view(self, states: list[SequenceState]) -> SequenceState:
         """The rows' states layer by layer (layers/rows.py Batched); over the first slots, made once."""
-        kept = self.views.get(len(states))
-        if kept is not None and all(a is b for a, b in zip(kept[0], states)):
-            return kept[1]
+        own = self._own(states)
+        if own and len(states) in self.views:
+            return self.views[len(states)]
         view = SequenceState([Batched(layers) for layers in zip(*(s.layers for s in states))])
-        if len(states) <= len(self.slots) and all(a is b for a, b in zip(states, self.slots)):
-            self.views[len(states)] = list(states), view
+        if own:
+            self.views[len(states)] = view
         return view
+
+    def _own(self, states: list[SequenceState]) -> bool:
+        """Whether `states` are the first slots' (the graphs' and views' buffers), in order."""
+        return len(states) <= len(self.slots) and all(s is slot for s, slot in zip(states, self.slots))
 
     def _make_room(self, state: SequenceState, end: int) -> int:
         """Room for positions up to `end`; returns the state's capacity."""
         capacity = state.capacity
         if capacity < self.max_context:  # another state (tests): attended over as the decoder's own
             state.reserve(self.max_context)
-        if end > state.capacity:
-            state.reserve(2 * max(state.capacity, end))
-        return capacity if capacity >= self.max_context and end <= capacity else state.capacity
+            capacity = state.capacity
+        if end > capacity:
+            state.reserve(2 * max(capacity, end))
+            capacity = state.capacity
+        return capacity
 
     def _step(self, key: tuple[int, bool], states: list[SequenceState], view: SequenceState, capacities: tuple):
         """Replay the step's graph when it was captured over these states' buffers, else run it (and capture it
         when its rows are the first slots and every record is addressable)."""
         rows, batched = key
-        own = all(s is slot for s, slot in zip(states, self.slots)) and len(states) <= len(self.slots)
+        own = self._own(states)
         addresses = self.provider.address_table() if self.mode != "handshake" else None
         captured = self.graphs.get(key)
         if addresses is not None and own and captured is not None and captured[3] == capacities:
