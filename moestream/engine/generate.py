@@ -10,7 +10,9 @@ import torch
 
 from moestream.engine.speculation import Speculator, accept
 from moestream.models.base import CausalLM, SequenceState
-from moestream.sampling import Sampler, SamplingParams
+from moestream.sampling import Pick, Sampler, SamplingParams, logprobs_of
+
+LOGIT_ROWS = 128  # prompt rows turned into log probabilities at a time ([rows, vocab] float32 each)
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Timings:
 class Step:
     token: int
     finish_reason: str | None = None  # "stop" (EOS) or "length"
+    logprob: float | None = None  # with SamplingParams.logprobs: the token's, and the likeliest [(id, logprob)]
+    top: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -42,6 +46,8 @@ class Sequence:
     state: SequenceState
     generated: list[int] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
+    # with SamplingParams.prompt_logprobs: per prompt token after the first, (logprob, likeliest [(id, logprob)])
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 def chunk_end(length: int, total: int, chunk: int) -> int:
@@ -69,10 +75,13 @@ class Generation:
     carries the finish reason."""
 
     def __init__(self, model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-                 on_boundary=None, speculator: Speculator | None = None):
+                 on_boundary=None, speculator: Speculator | None = None, constraint=None):
+        """`constraint`: the grammar `seq.params.structure` asks for (engine/grammar.py). A constrained sequence, or
+        one whose log probabilities are asked for, runs no drafts."""
         self.model, self.seq, self.eos, self.chunk, self.device = model, seq, eos, chunk, device
-        self.on_boundary, self.speculator = on_boundary, speculator
-        self.sampler = Sampler(seq.params, device)
+        self.on_boundary = on_boundary
+        self.speculator = speculator if constraint is None and seq.params.logprobs is None else None
+        self.sampler = Sampler(seq.params, device, constraint)
         self.last: int | None = None  # the token the next step feeds
         self.finish_reason: str | None = None
         self._decode_start = 0.0
@@ -92,6 +101,8 @@ class Generation:
         stop = chunk_end(state.length, len(seq.prompt), self.chunk)
         piece = torch.tensor(seq.prompt[state.length: stop], dtype=torch.long, device=self.device)
         hidden = self.model(piece, state)
+        if seq.params.prompt_logprobs is not None:
+            self._prompt_logprobs(hidden, seq.prompt[stop - len(piece) + 1: stop + 1])
         if self.speculator is not None:
             self.speculator.hidden(hidden)
         if self.on_boundary is not None and stop % self.chunk == 0:
@@ -99,16 +110,25 @@ class Generation:
         if stop < len(seq.prompt):
             t.prefill_seconds += time.perf_counter() - tic
             return []
-        logits = self.model.logits(hidden[-1:])[0]
-        token = self.sampler(logits, self._history())
+        logits = self.model.logits(hidden[-1:])[0]  # the last row alone: the same bits with or without the others'
+        pick = self.sampler.pick(logits, self._history())
         t.prompt_tokens = len(seq.prompt)
         t.prefill_seconds += time.perf_counter() - tic
         self._decode_start = time.perf_counter()
-        return self._take([token])
+        return self._take([pick])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, following: list[int]) -> None:
+        """The log probabilities of the prompt tokens `following` the chunk's rows (hidden [T, H]; the last row's
+        follower is not a prompt token on the final chunk)."""
+        k = self.seq.params.prompt_logprobs
+        for start in range(0, len(following), LOGIT_ROWS):
+            rows = following[start: start + LOGIT_ROWS]
+            logits = self.model.logits(hidden[start: start + len(rows)])
+            self.seq.prompt_logprobs += logprobs_of(logits, torch.tensor(rows, device=logits.device), k)
 
     def take(self, logits: torch.Tensor) -> list[Step]:
         """After a batched step that fed `last`: the next token from its row's logits [vocab]."""
-        return self._take([self.sampler(logits, self._history())])
+        return self._take([self.sampler.pick(logits, self._history())])
 
     def take_token(self, token: int) -> list[Step]:
         """After a batched step that fed `last`, its greedy token (read with the other rows')."""
@@ -121,7 +141,7 @@ class Generation:
         prefix; the speculator sees the hidden states of the kept rows."""
         seq, speculator, last = self.seq, self.speculator, self.last
         if speculator is None:
-            return self._take([self.sampler(step(last, seq.state), self._history())])
+            return self._take([self.sampler.pick(step(last, seq.state), self._history())])
         tic = time.perf_counter()
         drafts = speculator.propose(seq.generated, seq.params.max_tokens - len(seq.generated) - 1)
         if drafts:
@@ -136,18 +156,21 @@ class Generation:
         speculator.record(len(drafts), len(pending) - 1, time.perf_counter() - tic)
         return self._take(pending)
 
-    def _take(self, tokens: list[int]) -> list[Step]:
+    def _take(self, tokens: list[int | Pick]) -> list[Step]:
         p, t, out = self.seq.params, self.seq.timings, []
-        for token in tokens:
-            self.seq.generated.append(token)
+        # a grammar allows only the end once it is complete: EOS ends it even with ignore_eos
+        ends = not p.ignore_eos or self.sampler.constraint is not None
+        for each in tokens:
+            pick = each if isinstance(each, Pick) else Pick(each)
+            self.seq.generated.append(pick.token)
             t.generated_tokens += 1
-            if token in self.eos and not p.ignore_eos:
+            if pick.token in self.eos and ends:
                 self.finish_reason = "stop"
             elif len(self.seq.generated) == p.max_tokens:
                 self.finish_reason = "length"
-            out.append(Step(token, self.finish_reason))
+            out.append(Step(pick.token, self.finish_reason, pick.logprob, pick.top))
             if self.finish_reason:
                 break
         t.decode_seconds = time.perf_counter() - self._decode_start
-        self.last = tokens[-1]
+        self.last = out[-1].token
         return out

@@ -100,7 +100,7 @@ class LLM:
         self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk)
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \
             if cfg.speculation == "mtp" and cfg.max_drafts else None
-        self._tokenizer = None
+        self._tokenizer = self._grammars = None
         if cfg.preload if cfg.preload is not None else cuda:
             from moestream.engine.progress import progress_bar
 
@@ -175,6 +175,15 @@ class LLM:
         return self._tokenizer
 
     @property
+    def grammars(self):
+        """The grammar compiler for structured answers (engine/grammar.py), made on first use."""
+        if self._grammars is None:
+            from moestream.engine.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer.tok, self.config.vocab_size)
+        return self._grammars
+
+    @property
     def eos_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids)
         try:
@@ -215,15 +224,17 @@ class LLM:
         state = self.decoder.new_state(slot)
         if self.head is not None:
             state.draft = self.head.new_state()
-        cached = self.prefix_cache.restore(ids, state) if self.prefix_cache else 0
+        # prompt log probabilities need every prompt row's logits: nothing restored
+        cached = self.prefix_cache.restore(ids, state) if self.prefix_cache and params.prompt_logprobs is None else 0
         seq = gen.Sequence(list(ids), params, state)
         seq.timings.cached_tokens = cached
         speculator = None
         if self.engine_config.max_drafts:
             head = HeadDrafts(self.head, state.draft) if self.head is not None else None
             speculator = Speculator(self.depth, self.spec_stats, seq.prompt, head)
+        constraint = self.grammars.constraint(params.structure) if params.structure is not None else None
         return gen.Generation(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
-                              self.prefix_cache.insert if self.prefix_cache else None, speculator)
+                              self.prefix_cache.insert if self.prefix_cache else None, speculator, constraint)
 
     def step(self) -> None:
         """One engine step (engine/scheduler.py): prompts admitted and prefilled, a token for each running

@@ -31,6 +31,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     finish_reason: str | None
     stats: dict = field(default_factory=dict)
+    # with SamplingParams.logprobs, per token: (logprob, likeliest [(id, logprob)]); prompt_logprobs: per prompt
+    # token after the first
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    stop_string: str | None = None  # the stop string the text ended at
 
 
 class TextStream:
@@ -40,6 +45,8 @@ class TextStream:
     def __init__(self, llm, prompt_ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None = None):
         self.llm, self.prompt_ids, self.params, self.cancelled = llm, list(prompt_ids), params, cancelled
         self.tokens: list[int] = []
+        self.logprobs: list[tuple[float, list]] = []  # the tokens' (logprob, alternatives), when asked for
+        self.stop_string: str | None = None
         self.text, self.finish_reason, self.request = "", None, None
         self.stopped = False  # at a stop string
         # incremental decoding: the text of tokens[:_read] is _settled; tokens[_context:_read] decode to _context_text
@@ -81,11 +88,13 @@ class TextStream:
 
     def _feed(self, step) -> str:
         self.tokens.append(step.token)
+        if step.logprob is not None:
+            self.logprobs.append((step.logprob, step.top))
         self.finish_reason = step.finish_reason
         full = self._decoded()
-        cut = min((full.find(s) for s in self.params.stop if s in full), default=-1)
+        cut, stop = min(((full.find(s), s) for s in self.params.stop if s in full), default=(-1, None))
         if cut >= 0:
-            full, self.finish_reason, self.stopped = full[:cut], "stop", True
+            full, self.finish_reason, self.stopped, self.stop_string = full[:cut], "stop", True, stop
             self.llm.scheduler.cancel(self.request, "stop")
         elif not step.finish_reason:
             full = full[: len(full) - _held_back(full, self.params.stop)]
@@ -120,4 +129,7 @@ class TextStream:
         g = self.request.generation
         stats = {"timings": (g.seq.timings if g is not None else Timings()).as_dict(),
                  "experts": delta(self._before, self.llm.provider.totals())}
-        return RequestOutput(self.text, self.tokens, self.prompt_ids, self.finish_reason, stats)
+        logprobs = self.logprobs if self.params.logprobs is not None else None
+        prompt_logprobs = g.seq.prompt_logprobs if g is not None and self.params.prompt_logprobs is not None else None
+        return RequestOutput(self.text, self.tokens, self.prompt_ids, self.finish_reason, stats, logprobs,
+                             prompt_logprobs, self.stop_string)

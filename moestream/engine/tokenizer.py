@@ -19,12 +19,18 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The checkpoint's chat template over `messages` (and `tools`, OpenAI's function list), ready for the
+        assistant's answer."""
         if not self.tok.chat_template:
             raise StoreError("this model has no chat template; use a raw prompt")
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
                                             enable_thinking=False)
         return self.encode(text)
+
+    def token_text(self, token: int) -> str:
+        """One token's own text (special tokens included), as log probabilities name it."""
+        return self.tok.decode([token], skip_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
