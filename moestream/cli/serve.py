@@ -17,9 +17,10 @@ from moestream.errors import MoestreamError
 
 # a server sees many prompts sharing prefixes (chat turns, system prompts): snapshots every 512 tokens, 1 GB of them
 SERVE_DEFAULTS = dataclasses.replace(DEFAULTS, prefill_chunk=512, prefix_cache_mb=1024)
-EPILOG = """endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
-GET /v1/stats (JSON), GET /metrics (Prometheus), GET /health. Sampling is greedy unless a request sets
-temperature (OpenAI's default is 1); top_k, repetition_penalty and ignore_eos are accepted as extensions."""
+EPILOG = """endpoints: GET /v1/models, POST /v1/chat/completions (tools, logprobs, response_format, session_id),
+POST /v1/completions (logprobs, echo), POST /v1/messages (Anthropic's), POST/GET/DELETE /v1/sessions, POST /tokenize
+and /detokenize, GET /v1/stats (JSON), GET /metrics (Prometheus), GET /health. Sampling is greedy unless a request
+sets temperature (OpenAI's default is 1); top_k, repetition_penalty and ignore_eos are accepted as extensions."""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -1,37 +1,51 @@
-"""The OpenAI-compatible HTTP app: `create_app(llm, ServerSettings(...))` -> a FastAPI app.
+"""The OpenAI- and Anthropic-compatible HTTP app: `create_app(llm, ServerSettings(...))` -> a FastAPI app.
 
-Endpoints: GET /health (no key needed), GET /v1/models[/{id}], POST /v1/chat/completions,
-POST /v1/completions (both streaming as SSE ending in `data: [DONE]`, or not), GET /v1/stats (JSON:
-`engine` is exactly `llm.stats()`), GET /metrics (Prometheus text). Every error is OpenAI-shaped:
-{"error": {"message", "type", "param", "code"}} with 400 (bad request), 401 (key), 404 (model or
-route), 408 (a body that does not arrive), 413 (body too large), 429 (queue full), 500 (the server's own
-fault), 503 (stopping). The app only calls the engine's public API,
-through one engine thread (server/worker.py).
+Endpoints: GET /health (no key needed), GET /v1/models[/{id}], POST /v1/chat/completions (tools, logprobs,
+response_format, `session_id`), POST /v1/completions (logprobs, echo), POST /v1/messages (Anthropic's), all
+streaming as SSE or not; POST/GET/DELETE /v1/sessions[/{id}] (server/sessions.py), POST /tokenize and /detokenize
+(vLLM's), GET /v1/stats (JSON: `engine` is exactly `llm.stats()`), GET /metrics (Prometheus text). Every error is
+OpenAI-shaped, {"error": {"message", "type", "param", "code"}} (Anthropic's shape on /v1/messages), with 400 (bad
+request), 401 (key), 404 (model, session or route), 408 (a body that does not arrive), 409 (a session's turn already
+running), 413 (body too large), 429 (queue full), 500 (the server's own fault), 503 (stopping). The app only calls
+the engine's public API, through one engine thread (server/worker.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from moestream.engine.grammar import Structure
 from moestream.errors import MoestreamError, RequestError
-from moestream.sampling import SEED_RANGE
+from moestream.server import anthropic
 from moestream.server.gate import Gate
 from moestream.server.metrics import ServerMetrics
-from moestream.server.protocol import APIError, ChatRequest, CompletionRequest, Shapes, parse, usage
-from moestream.server.worker import EngineWorker, Job, QueueFull, ShuttingDown
+from moestream.server.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
+from moestream.server.sessions import SessionRequest, Sessions
+from moestream.server.shapes import Finished, Shapes, tool_call_dict, usage, usage_of
+from moestream.server.tools import call_schema, check_tools, template_messages
+from moestream.server.transport import JobStream, cancel_on_disconnect, read_json, sse
+from moestream.server.turns import Plan, Turn
+from moestream.server.worker import EngineWorker
 
-DRAIN_LIMIT = 64 << 20  # an oversize body up to this size is read to the end, so the client sees the 413
+MESSAGES = "/v1/messages"  # Anthropic's API: its errors in its own shape
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,9 @@ class ServerSettings:
     max_body_bytes: int = 1_000_000
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat defaults to the limit
     request_timeout_s: float = 30.0  # a connection's request headers, and a request's body, must arrive within it
+    max_sessions: int = 64
+    session_budget_bytes: int = 16 << 20  # the committed messages of every session together
+    session_idle_s: float = 900.0
 
 
 def create_app(llm, settings: ServerSettings) -> FastAPI:
@@ -52,6 +69,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
     counts = {"total": 0, "2xx": 0, "4xx": 0, "5xx": 0}
     tokens = {"prompt": 0, "generated": 0}
     context_length = llm.context_length
+    sessions = Sessions(settings.max_sessions, settings.session_budget_bytes, settings.session_idle_s)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -67,7 +85,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
     async def api_error(request, e: APIError):
         # a body that did not arrive leaves the connection mid-request: close it
         headers = {"Retry-After": "1"} if e.status == 429 else {"Connection": "close"} if e.status == 408 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        body = anthropic.error_body(e.status, e.message) if request.url.path == MESSAGES else e.body()
+        return JSONResponse(body, status_code=e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
@@ -107,65 +126,163 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await _read_json(request, settings))
-        messages = [m.as_template_message() for m in req.messages]
-        return await complete(request, req, True, [lambda: llm.tokenizer.chat(messages)],
-                              settings.max_tokens_limit)
+        data, session = await read_json(request, settings), None
+        if isinstance(data, dict) and data.get("session_id") is not None:
+            if not isinstance(data["session_id"], str):
+                raise APIError(400, "session_id: must be a string", param="session_id")
+            session, data = sessions.begin(data["session_id"], data)
+        try:
+            return await chat_turn(request, data, session)
+        except BaseException:
+            if session is not None:
+                sessions.end(session)
+            raise
+
+    async def chat_turn(request: Request, data, session):
+        """A chat completion; in a session, its new messages and answer are committed when it completes, and the
+        session is free again when it ends (the stream's end, when streaming)."""
+        req = parse(ChatRequest, data)
+        check_model(req.model)
+        req.refuse_unsupported()
+        choice = check_tools(req.tools, req.tool_choice)
+        params = req.sampling_params(settings.max_tokens_limit, settings.max_tokens_limit)
+        params = dataclasses.replace(params, logprobs=req.logprobs_wanted())
+        plan = await chat_plan(req.raw_messages(), req.tools, choice, req.structure(), params,
+                               bool(req.max_tokens or req.max_completion_tokens), req.n or 1)
+        plan.single_call = req.parallel_tool_calls is False
+        on_done = None
+        if session is not None:
+            new = req.raw_messages()[len(session.messages):]
+
+            def on_done(choices):
+                c = choices and choices[0]
+                if c and c.reason in ("stop", "length"):
+                    answer = {"role": "assistant", "content": c.text}
+                    if c.calls:
+                        answer["tool_calls"] = [tool_call_dict(call) for call in c.calls]
+                    sessions.commit(session, new, answer, usage_of(c.out))
+                sessions.end(session)
+        return await run(request, Turn(worker, plan, settings.max_queue), True, req.stream, req.stream_options,
+                         on_done)
+
+    async def chat_plan(messages: list[dict], tools, choice, structure, params, explicit: bool, n: int) -> Plan:
+        """A chat request's plan: its messages through the chat template with the tools it offers; a call the
+        request forces (tool_choice required or named) is a grammar the answer must follow."""
+        offered = tools if choice.mode != "none" else None
+        template = template_messages(messages)
+        ids = await tokenize(lambda: llm.tokenizer.chat(template, offered), "messages")
+        if choice.mode in ("required", "named"):
+            if structure is not None:
+                raise APIError(400, "response_format cannot be combined with a forced tool call", param="tool_choice")
+            structure = Structure("tool_calls", call_schema(tools, choice.name))
+        if structure is not None:  # compiled now (and cached): a schema the grammar library refuses is a 400
+            try:
+                await run_in_threadpool(llm.grammars.constraint, structure)
+            except RequestError as e:
+                raise APIError(400, str(e), param="response_format" if choice.mode in ("none", "auto")
+                               else "tool_choice") from None
+        params = dataclasses.replace(params, structure=structure)
+        return Plan([(ids, fit_context(len(ids), params, explicit, "messages"))], n, tools=offered)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await _read_json(request, settings))
-        encoders = [(lambda p=p: llm.tokenizer.encode(p)) if isinstance(p, str) else (lambda p=p: list(p))
-                    for p in req.prompts()]
-        return await complete(request, req, False, encoders, settings.completion_default_max_tokens)
-
-    async def complete(request: Request, req, chat: bool, encoders, default_max_tokens: int):
-        """Every prompt's `n` choices as jobs of one request: choice i * n + j is prompt i's sample j."""
+        req = parse(CompletionRequest, await read_json(request, settings))
         check_model(req.model)
         req.refuse_unsupported()
-        params = req.sampling_params(default_max_tokens, settings.max_tokens_limit)
-        param = "messages" if chat else "prompt"
-        explicit = bool(req.max_tokens or req.max_completion_tokens)
-        prompts = []
-        for encode in encoders:
-            ids = await tokenize(encode, param)
-            prompts.append((ids, fit_context(len(ids), params, explicit, param)))
-        events, jobs = asyncio.Queue(), []
-        try:
-            for ids, p in prompts:
-                for j in range(req.n or 1):
-                    jobs.append(worker.submit(ids, p if p.seed is None else sample_seed(p, j), events, len(jobs)))
-        except ShuttingDown:
-            cancel(jobs)
-            raise _engine_error(ShuttingDown("the server is shutting down")) from None
-        except QueueFull:
-            cancel(jobs)
-            raise APIError(429, f"the server is busy ({settings.max_queue} requests waiting); retry later",
-                           type="rate_limit_error", code="queue_full") from None
-        shapes = Shapes(chat, settings.model_name)
-        endpoint = request.url.path
+        params = req.sampling_params(settings.completion_default_max_tokens, settings.max_tokens_limit)
+        echo = bool(req.echo)
+        params = dataclasses.replace(params, logprobs=req.logprobs,
+                                     prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None)
+        explicit, prompts, texts = bool(req.max_tokens), [], []
+        for p in req.prompts():
+            encode = (lambda p=p: llm.tokenizer.encode(p)) if isinstance(p, str) else (lambda p=p: list(p))
+            ids = await tokenize(encode, "prompt")
+            prompts.append((ids, fit_context(len(ids), params, explicit, "prompt")))
+            if echo:
+                texts.append(p if isinstance(p, str) else await run_in_threadpool(llm.tokenizer.decode, ids))
+        plan = Plan(prompts, req.n or 1, echo=texts if echo else None)
+        return await run(request, Turn(worker, plan, settings.max_queue), False, req.stream, req.stream_options)
+
+    @app.post(MESSAGES)
+    async def messages(request: Request):
+        req = anthropic.parse_request(await read_json(request, settings))
+        check_model(req.model)
+        chat = parse(ChatRequest, {k: v for k, v in anthropic.to_chat(req).items() if v is not None})
+        choice = check_tools(chat.tools, chat.tool_choice)
+        params = chat.sampling_params(settings.max_tokens_limit, settings.max_tokens_limit)
+        plan = await chat_plan(chat.raw_messages(), chat.tools, choice, None, params, True, 1)
+        plan.single_call = chat.parallel_tool_calls is False
+        turn = Turn(worker, plan, settings.max_queue)
+        ms = anthropic.MessageStream(anthropic.new_message_id(), req.model)
         if req.stream:
-            return _JobStream(jobs, stream(jobs, events, shapes, req.stream_options, endpoint, req.n or 1),
-                              media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                       "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs, events))
-        texts, outs = [[] for _ in jobs], [None] * len(jobs)
+            return JobStream(turn.jobs, message_events(turn, ms), media_type="text/event-stream",
+                              headers=SSE_HEADERS)
+        choices = await collected(request, turn)
+        if choices is None:
+            return Response(status_code=499)
+        c = choices[0]
+        record(turn, [c.out], MESSAGES)
+        reason = anthropic.stop_reason_of(c.reason, c.out.stop_string, bool(c.calls))
+        return anthropic.message(ms.id, req.model, c.text, c.calls, reason, c.out.stop_string,
+                                 len(c.out.prompt_token_ids), len(c.out.token_ids),
+                                 c.out.stats["timings"]["cached_tokens"])
+
+    async def message_events(turn: Turn, ms):
+        yield ms.start(len(turn.jobs[0].prompt_ids))
+        calls = []
         try:
-            while any(out is None for out in outs):
-                index, kind, value = await events.get()
+            async for _, kind, value in turn.events():
                 if kind == "text":
-                    texts[index].append(value[0])
+                    yield ms.text(value[0])
+                elif kind == "call" and not (turn.plan.single_call and calls):
+                    calls.append(value)
+                    yield ms.call(value)
                 elif kind == "done":
-                    outs[index] = value
-                elif kind == "error":
-                    raise _engine_error(value)
-                else:  # the client went away
-                    return Response(status_code=499)
+                    record(turn, [value], MESSAGES)
+                    reason = anthropic.stop_reason_of(value.finish_reason, value.stop_string, bool(calls))
+                    yield ms.finish(reason, value.stop_string, len(value.token_ids))
+        except APIError as e:
+            yield ms.error(e.status, e.message)
+
+    @app.post("/v1/sessions")
+    async def new_session(request: Request):
+        req = parse(SessionRequest, await read_json(request, settings))
+        check_model(req.model)
+        return sessions.create(req).card(sessions.idle_s)
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str):
+        return sessions.get(session_id).card(sessions.idle_s)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str):
+        sessions.delete(session_id)
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    async def run(request: Request, turn: Turn, chat: bool, streaming: bool | None, options, on_done=None):
+        """The response: the choices whole, or their stream. `on_done(choices or None)` runs once it has ended."""
+        shapes = Shapes(chat, settings.model_name, llm.tokenizer.token_text)
+        endpoint = request.url.path
+        if streaming:
+            return JobStream(turn.jobs, stream(turn, shapes, options, endpoint, on_done),
+                              media_type="text/event-stream", headers=SSE_HEADERS)
+        choices = None
+        try:
+            choices = await collected(request, turn)
+        finally:
+            if on_done is not None:
+                on_done(choices)
+        if choices is None:  # the client went away
+            return Response(status_code=499)
+        return shapes.response(choices, record(turn, [c.out for c in choices], endpoint))
+
+    async def collected(request: Request, turn: Turn):
+        watcher = asyncio.create_task(cancel_on_disconnect(request, turn))
+        try:
+            return await turn.collect()
         finally:
             watcher.cancel()
-            cancel(jobs)
-        use = record(jobs, outs, endpoint, req.n or 1)
-        return shapes.response([("".join(t), out.finish_reason) for t, out in zip(texts, outs)], use)
+            turn.cancel()
 
     async def tokenize(encode, param: str) -> list[int]:
         try:
@@ -178,40 +295,55 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param=param)
         return ids
 
-    async def stream(jobs: list[Job], events: asyncio.Queue, shapes: Shapes, options, endpoint: str, n: int):
+    async def stream(turn: Turn, shapes: Shapes, options, endpoint: str, on_done=None):
         include_usage, continuous_usage = bool(options and options.include_usage), bool(
             options and options.continuous_usage_stats)
+        jobs = turn.jobs
         if shapes.chat:
             for job in jobs:
-                yield _sse(shapes.chunk(job.index, "", first=True))
-        outs, seen = [None] * len(jobs), set()
-        while any(out is None for out in outs):
-            index, kind, value = await events.get()
-            if kind == "text":
-                if index not in seen:
-                    metrics.first_token.labels(endpoint).observe(time.monotonic() - jobs[index].submitted_at)
-                    seen.add(index)
-                piece, made = value
-                chunk = shapes.chunk(index, piece)
-                if continuous_usage:  # vLLM's extension: tokens so far on every chunk (a client's per-token timing)
-                    chunk["usage"] = usage(len(jobs[index].prompt_ids), made, 0)
-                yield _sse(chunk)
-            elif kind == "done":
-                outs[index] = value
-                yield _sse(shapes.chunk(index, None, value.finish_reason))
-            else:
-                yield _sse(_engine_error(value).body())
-                break
+                yield sse(shapes.first(job.index))
+        elif turn.plan.echo:
+            for job in jobs:
+                yield sse(shapes.text(job.index, turn.echoed(job.index)))
+        outs, calls, seen = [None] * len(jobs), [[] for _ in jobs], set()
+        texts = [[] for _ in jobs]
+        try:
+            async for index, kind, value in turn.events():
+                if kind == "text":
+                    if index not in seen:
+                        metrics.first_token.labels(endpoint).observe(time.monotonic() - jobs[index].submitted_at)
+                        seen.add(index)
+                    piece, tokens, entries = value
+                    texts[index].append(piece)
+                    chunk = shapes.text(index, piece, tokens, entries)
+                    if continuous_usage:  # vLLM's extension: tokens so far on every chunk (a client's per-token timing)
+                        chunk["usage"] = usage(len(jobs[index].prompt_ids), jobs[index].sent, 0)
+                    yield sse(chunk)
+                elif kind == "call":
+                    if not (turn.plan.single_call and calls[index]):
+                        yield sse(shapes.call(index, len(calls[index]), value))
+                        calls[index].append(value)
+                else:
+                    outs[index] = value
+                    yield sse(shapes.end(index, value.finish_reason, bool(calls[index])))
+        except APIError as e:
+            yield sse(e.body())
         else:
-            use = record(jobs, outs, endpoint, n)
-            if include_usage:
-                yield _sse(shapes.usage_chunk(use))
+            if all(out is not None for out in outs):
+                use = record(turn, outs, endpoint)
+                if include_usage:
+                    yield sse(shapes.usage_chunk(use))
+        finally:
+            if on_done is not None:
+                done = all(out is not None for out in outs)
+                on_done([Finished("".join(t).strip(), o.finish_reason, c, out=o)
+                         for t, c, o in zip(texts, calls, outs)] if done else None)
         yield "data: [DONE]\n\n"
 
-    def record(jobs: list[Job], outs: list, endpoint: str, n: int) -> dict:
+    def record(turn: Turn, outs: list, endpoint: str) -> dict:
         """Count the finished choices; their usage counts each prompt once."""
-        now = time.monotonic()
-        for job, out in zip(jobs, outs):
+        now, n = time.monotonic(), turn.plan.n
+        for job, out in zip(turn.jobs, outs):
             metrics.latency.labels(endpoint).observe(now - job.submitted_at)
             metrics.queue_wait.observe((job.started_at or now) - job.submitted_at)
             metrics.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -231,6 +363,27 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             raise APIError(400, f"this model's context is {context_length} tokens; the prompt has {prompt_tokens} "
                            f"and {params.max_tokens} more were asked for", param=param, code="context_length_exceeded")
         return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request):
+        req = parse(TokenizeRequest, await read_json(request, settings))
+        check_model(req.model)
+        req.check()
+        if req.prompt is not None:
+            ids = await tokenize(lambda: llm.tokenizer.encode(req.prompt), "prompt")
+        else:
+            check_tools(req.tools, None)
+            template = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+            ids = await tokenize(lambda: llm.tokenizer.chat(template, req.tools), "messages")
+        return {"count": len(ids), "max_model_len": context_length, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse(DetokenizeRequest, await read_json(request, settings))
+        check_model(req.model)
+        if any(not 0 <= i < llm.config.vocab_size for i in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="tokens")
+        return {"prompt": await run_in_threadpool(llm.tokenizer.decode, req.tokens)}
 
     @app.get("/v1/stats")
     async def stats():
@@ -259,75 +412,3 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-class _JobStream(StreamingResponse):
-    """An SSE response that cancels its jobs however it ends: finished, failed, or the client gone (Starlette
-    then cancels the body iterator, perhaps before it started)."""
-
-    def __init__(self, jobs: list[Job], content, **kwargs):
-        super().__init__(content, **kwargs)
-        self.jobs = jobs
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:  # the engine drops them before its next step; a no-op for finished jobs
-            cancel(self.jobs)
-
-
-def cancel(jobs: list[Job]) -> None:
-    for job in jobs:
-        job.cancel.set()
-
-
-def sample_seed(params, j: int):
-    """Choice j's parameters: the request's seed moved on by j, so that n seeded samples differ and repeat."""
-    low, high = SEED_RANGE
-    return dataclasses.replace(params, seed=low + (params.seed - low + j) % (high - low + 1))
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def _engine_error(e: Exception) -> APIError:
-    """The caller's mistakes are 400; a stopping server 503; anything else is the server's own fault, 500."""
-    if isinstance(e, RequestError):
-        return APIError(400, str(e))
-    if isinstance(e, ShuttingDown):
-        return APIError(503, str(e), type="server_error", code="shutting_down")
-    return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
-
-
-async def _read_json(request: Request, settings: ServerSettings):
-    """The body as JSON; 413 past the size limit, 408 when it does not arrive in time, 400 when it does not parse."""
-    limit = settings.max_body_bytes
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > DRAIN_LIMIT:
-        raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="request_too_large")
-    body, size = bytearray(), 0
-    try:
-        async with asyncio.timeout(settings.request_timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size <= limit:
-                    body += chunk
-                elif size > DRAIN_LIMIT:
-                    break
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {settings.request_timeout_s:g} s",
-                       code="request_timeout") from None
-    if size > limit:
-        raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-
-
-async def _cancel_on_disconnect(request: Request, jobs: list[Job], events: asyncio.Queue) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    cancel(jobs)
-    events.put_nowait((None, "gone", None))

@@ -10,14 +10,14 @@ the same one). Extensions: `top_k`, `repetition_penalty`, `ignore_eos`, and vLLM
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from moestream.engine.grammar import Structure
 from moestream.errors import RequestError
-from moestream.sampling import SEED_RANGE, SamplingParams
+from moestream.sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 MAX_CHOICES = 64  # choices a request may ask for: prompts x n
 
@@ -43,13 +43,35 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallPart(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallPart] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def as_template_message(self) -> dict:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class StreamOptions(_Strict):
@@ -100,12 +122,38 @@ class _Request(_Strict):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    session_id: str | None = None  # this server's: the turn continues a session (server/sessions.py)
+
+    def raw_messages(self) -> list[dict]:
+        return [m.model_dump(exclude_none=True, by_alias=True) for m in self.messages]
+
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structure(self) -> Structure | None:
+        """The grammar response_format asks for (None for text)."""
+        f = self.response_format
+        if f is None or f.type == "text":
+            return None
+        if f.type == "json_schema" and (f.json_schema is None or f.json_schema.json_schema is None):
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                           param="response_format.json_schema")
+        try:
+            return Structure("json", f.json_schema.json_schema if f.type == "json_schema" else None)
+        except RequestError as e:
+            raise APIError(400, str(e), param="response_format") from None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
 
@@ -121,12 +169,27 @@ class CompletionRequest(_Request):
         return batch
 
 
-# fields not implemented yet, each with the values that ask for nothing beyond None, false, [] and {}
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a raw prompt, or chat messages through the template (with tools)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# fields not implemented, each with the values that ask for nothing beyond None, false, [] and {}
 UNSUPPORTED = {
-    "logprobs": lambda v: False, "top_logprobs": lambda v: v == 0, "echo": lambda v: False,
-    "suffix": lambda v: v == "", "tools": lambda v: False, "functions": lambda v: False,
-    "function_call": lambda v: v == "none", "tool_choice": lambda v: v in ("none", "auto"),
-    "parallel_tool_calls": lambda v: False, "response_format": lambda v: v == {"type": "text"},
+    "suffix": lambda v: v == "", "functions": lambda v: False, "function_call": lambda v: v == "none",
     "logit_bias": lambda v: False, "best_of": lambda v: v == 1,
 }
 
@@ -164,50 +227,3 @@ def parse(model: type[BaseModel], data) -> BaseModel:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def finish_reason(reason: str | None) -> str | None:
-    return {"stop": "stop", "length": "length"}.get(reason, reason)
-
-
-class Shapes:
-    """Builds the response objects of one request (chat or text completion), streaming or not."""
-
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-
-    def _choice(self, index: int, text: str | None, reason: str | None, final: bool, first: bool = False) -> dict:
-        if not self.chat:
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-        if final:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": reason}
-        delta = ({"role": "assistant", "content": ""} if first else {"content": text}) if text is not None else {}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-
-    def _object(self, kind: str, choices: list, use: dict | None = None) -> dict:
-        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-        if use is not None:
-            out["usage"] = use
-        return out
-
-    def response(self, choices: list[tuple[str, str | None]], use: dict) -> dict:
-        """choices: (text, finish reason) in index order."""
-        kind = "chat.completion" if self.chat else "text_completion"
-        return self._object(kind, [self._choice(i, text, finish_reason(reason), final=True)
-                                   for i, (text, reason) in enumerate(choices)], use)
-
-    def chunk(self, index: int, text: str | None, reason: str | None = None, first: bool = False) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, [self._choice(index, text, finish_reason(reason), final=False, first=first)])
-
-    def usage_chunk(self, use: dict) -> dict:
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], use)

@@ -3,7 +3,8 @@
 Contract: `submit` never blocks; it raises `QueueFull` when `max_queue` jobs already wait for the engine. The
 engine thread takes up to the engine's `max_batch` jobs at once into its scheduler (engine/scheduler.py), which
 decodes them together, and delivers events to each submitting event loop: ("text", (piece, tokens so far)) as text
-arrives, then ("done", RequestOutput) or ("error", exception). A job whose `cancel` is set is skipped if it has not
+arrives (with the tokens since the last piece and, when asked for, their log probabilities), then
+("done", RequestOutput) or ("error", exception). A job whose `cancel` is set is skipped if it has not
 started, and leaves the batch before the next engine step if it has, so an abandoned request frees its slot within
 one step. A failed step fails the jobs it ran (the engine's fault, 5xx), not the engine thread. Reads of the
 engine's counters (`call`) run on the engine thread between two steps.
@@ -48,6 +49,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
+    sent: int = 0  # tokens whose pieces were emitted
 
     def emit(self, kind: str, value) -> None:
         try:
@@ -146,7 +148,10 @@ class EngineWorker:
             self.busy_seconds += time.monotonic() - tic
             for job, stream in list(self.active):
                 for piece in stream.pieces():
-                    job.emit("text", (piece, len(stream.tokens)))
+                    made = len(stream.tokens)
+                    entries = stream.logprobs[job.sent: made] if job.params.logprobs is not None else None
+                    job.emit("text", (piece, made, stream.tokens[job.sent: made], entries))
+                    job.sent = made
                 if stream.done:
                     self.active.remove((job, stream))
                     out = stream.output()
