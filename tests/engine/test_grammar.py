@@ -135,10 +135,10 @@ def test_tool_calls_are_tagged_blocks_whose_json_validates(tiny, schema):
 def test_whitespace_runs_are_bounded(tiny):
     tok, grammars = tiny
     constraint = grammars.constraint(Structure("json"))
-    for token in tok.encode("{" + " " * 20, add_special_tokens=False):
+    for token in tok.encode("{\n" + " " * 8, add_special_tokens=False):  # a newline and the indent allowed
         constraint.accept(token)
     with pytest.raises(MoestreamError):
-        constraint.accept(tok.convert_tokens_to_ids("Ġ"))  # the byte-level space
+        constraint.accept(tok.convert_tokens_to_ids("Ġ"))  # the byte-level space: one past the bound
 
 
 @pytest.mark.parametrize("kind, schema", [("json", {"type": 5}), ("tool_calls", {"type": "object", "not": {}}),

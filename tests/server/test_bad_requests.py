@@ -73,7 +73,7 @@ def test_bad_completion_bodies(server):
         for body, param in [({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 5}, "prompt"),
                             ({"prompt": [10**9]}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
                             ({"prompt": ["a"] * 33, "n": 2}, "prompt"),
-                            ({"prompt": "hi", "echo": True}, "echo"), ({"prompt": "hi", "logprobs": 2}, "logprobs")]:
+                            ({"prompt": "hi", "logprobs": 21}, "logprobs"), ({"prompt": "hi", "echo": "yes"}, "echo")]:
             assert_error(http.post("/v1/completions", json=body), 400, param)
         assert_serves(http)
 
