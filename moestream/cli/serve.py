@@ -1,6 +1,7 @@
 """moestream serve STORE: an OpenAI-compatible HTTP server (moestream/server) on 127.0.0.1:8080 by default.
 
-The port is bound before the model loads, so a port in use is reported at once, in one line."""
+The port is bound before the model loads, so a port in use is reported at once, in one line, and while it loads
+/health answers 503 {"status": "loading"} (server/loading.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         from moestream.server import Server, ServerSettings, create_app
+        from moestream.server.loading import while_loading
     except ImportError as e:
         raise MoestreamError(f"serve needs the server extra ({e.name} is missing): "
                              "pip install 'moestream[server]'") from None
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.request_timeout < float("inf"):
         raise MoestreamError("--request-timeout must be a number of seconds > 0")
     sock = listen(args.host, args.port)
-    llm = open_llm(args, SERVE_DEFAULTS)
+    llm = while_loading(sock, lambda: open_llm(args, SERVE_DEFAULTS))
     try:
         name = args.model_name or os.path.basename(os.path.normpath(args.store))
         settings = ServerSettings(model_name=name, api_key=args.api_key, max_queue=args.max_queue,
