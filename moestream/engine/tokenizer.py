@@ -19,13 +19,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False) -> list[int]:
         """The checkpoint's chat template over `messages` (and `tools`, OpenAI's function list), ready for the
-        assistant's answer."""
+        assistant's answer; with `continue_final`, ready to continue the final (assistant) message's text instead."""
         if not self.tok.chat_template:
             raise StoreError("this model has no chat template; use a raw prompt")
-        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
-                                            enable_thinking=False)
+        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                            add_generation_prompt=not continue_final,
+                                            continue_final_message=continue_final, enable_thinking=False)
         return self.encode(text)
 
     def token_text(self, token: int) -> str:

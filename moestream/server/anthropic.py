@@ -163,6 +163,17 @@ def parse_request(data) -> MessagesRequest:
     return req
 
 
+def is_prefill(req: MessagesRequest) -> bool:
+    """A final assistant message is the start of the answer, which the model continues (Anthropic's prefill);
+    it must be text."""
+    last = req.messages[-1]
+    if last.role != "assistant":
+        return False
+    if not isinstance(last.content, str) and any(b.type != "text" for b in last.content) or not _joined(last.content):
+        raise APIError(400, "a final assistant message (a prefill) must be non-empty text", param="messages")
+    return True
+
+
 def _joined(content) -> str:
     # blocks are separate passages: a newline keeps the last word of one from running into the next
     return content if isinstance(content, str) else "\n".join(b.text for b in content if b.type == "text")

@@ -165,12 +165,14 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         return await run(request, Turn(worker, plan, settings.max_queue), True, req.stream, req.stream_options,
                          on_done)
 
-    async def chat_plan(messages: list[dict], tools, choice, structure, params, explicit: bool, n: int) -> Plan:
-        """A chat request's plan: its messages through the chat template with the tools it offers; a call the
-        request forces (tool_choice required or named) is a grammar the answer must follow."""
+    async def chat_plan(messages: list[dict], tools, choice, structure, params, explicit: bool, n: int,
+                        continue_final: bool = False) -> Plan:
+        """A chat request's plan: its messages through the chat template with the tools it offers (or, with
+        `continue_final`, up to the final message's text, which the answer continues); a call the request forces
+        (tool_choice required or named) is a grammar the answer must follow."""
         offered = tools if choice.mode != "none" else None
         template = template_messages(messages)
-        ids = await tokenize(lambda: llm.tokenizer.chat(template, offered), "messages")
+        ids = await tokenize(lambda: llm.tokenizer.chat(template, offered, continue_final), "messages")
         if choice.mode in ("required", "named"):
             if structure is not None:
                 raise APIError(400, "response_format cannot be combined with a forced tool call", param="tool_choice")
@@ -210,7 +212,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         chat = parse(ChatRequest, {k: v for k, v in anthropic.to_chat(req).items() if v is not None})
         choice = check_tools(chat.tools, chat.tool_choice)
         params = chat.sampling_params(settings.max_tokens_limit, settings.max_tokens_limit)
-        plan = await chat_plan(chat.raw_messages(), chat.tools, choice, None, params, True, 1)
+        plan = await chat_plan(chat.raw_messages(), chat.tools, choice, None, params, True, 1,
+                               anthropic.is_prefill(req))
         plan.single_call = chat.parallel_tool_calls is False
         turn = Turn(worker, plan, settings.max_queue)
         ms = anthropic.MessageStream(anthropic.new_message_id(), req.model)

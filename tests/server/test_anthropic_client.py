@@ -67,3 +67,22 @@ def test_errors_are_anthropic_shaped(server):
         client(server).messages.create(model=MODEL, max_tokens=4, extra_body={"temperature": 3},
                                        messages=[{"role": "user", "content": "x"}])
     assert e.value.body["type"] == "error" and "temperature" in json.dumps(e.value.body)
+
+
+def test_a_final_assistant_message_is_continued(server):
+    from moestream.engine.llm import LLM
+    from moestream.sampling import SamplingParams
+
+    conversation = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]
+    m = client(server).messages.create(model=MODEL, max_tokens=8, messages=conversation)
+    llm = LLM(DEMO_STORE, device="cpu")
+    try:
+        ids = llm.tokenizer.chat(conversation, continue_final=True)
+        assert llm.tokenizer.decode(ids).endswith("Once upon")  # the prefill, not a closed turn
+        want = llm.generate([ids], SamplingParams(max_tokens=8))[0].text
+    finally:
+        llm.close()
+    assert m.content[0].text == want
+    with pytest.raises(anthropic.BadRequestError, match="prefill"):
+        client(server).messages.create(model=MODEL, max_tokens=8, messages=[conversation[0], {
+            "role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "x", "input": {}}]}])
