@@ -193,6 +193,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         req.refuse_unsupported()
         params = req.sampling_params(settings.completion_default_max_tokens, settings.max_tokens_limit)
         echo = bool(req.echo)
+        if echo and req.logprobs is not None and req.stream:  # the prompt's log probabilities come whole, at the end
+            raise APIError(400, "echo with logprobs is answered whole, not streamed: leave out stream", param="stream")
         params = dataclasses.replace(params, logprobs=req.logprobs,
                                      prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None)
         explicit, prompts, texts = bool(req.max_tokens), [], []

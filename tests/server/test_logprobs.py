@@ -57,6 +57,10 @@ def test_echo_gives_the_prompts_log_probabilities(server, reference, store):
         again = h.post("/v1/completions", json={"model": MODEL, "prompt": [ids], "max_tokens": 1, "logprobs": 1,
                                                 "echo": True}).raise_for_status().json()
     assert again["choices"][0]["logprobs"] == lp
+    with server.http() as h:  # they come whole at the end: a stream asking for them is refused, naming stream
+        refused = h.post("/v1/completions", json={"model": MODEL, "prompt": [ids], "max_tokens": 1, "logprobs": 1,
+                                                  "echo": True, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
 
 
 def test_completion_logprobs_without_echo(server, reference, store):
