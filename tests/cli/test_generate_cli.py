@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from tests.cli.inprocess import run_cli
 from tests.conftest import MODEL_TYPES
 from tests.models.oracle import hf_model
 
@@ -14,8 +15,7 @@ PROMPT = "The expert pool holds"
 
 
 def generate(store: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moestream", "generate", store, PROMPT, "--device", "cpu", *args],
-                          capture_output=True, text=True)
+    return run_cli("generate", store, PROMPT, "--device", "cpu", *args)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -43,8 +43,9 @@ def test_prompt_lookup_keeps_the_tokens_and_reports_its_drafts(tiny):
     assert plain["stats"]["speculation"]["steps"] == 0
 
 
-def test_streams_text_and_reports_on_stderr(tiny):
-    proc = generate(tiny.store("qwen3_moe"), "--max-tokens", "8")
+def test_streams_text_and_reports_on_stderr(tiny):  # the real entry point, in a process of its own
+    proc = subprocess.run([sys.executable, "-m", "moestream", "generate", tiny.store("qwen3_moe"), PROMPT, "--device",
+                           "cpu", "--max-tokens", "8"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "tok/s" in proc.stderr and "hits" in proc.stderr

@@ -13,10 +13,11 @@ from moestream.errors import StoreError
 from moestream.experts.format import PROGRESS_FILE
 from moestream.experts.store import open_store
 from moestream.tiny import make_tiny_checkpoint
+from tests.cli.inprocess import run_cli
 
 
-def moestream(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True, **kw)
+def moestream(*args):
+    return run_cli(*args)
 
 
 def one_line_error(proc) -> str:

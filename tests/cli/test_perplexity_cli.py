@@ -3,11 +3,11 @@
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.cli.inprocess import run_cli
 from tests.models.oracle import hf_logits
 
 TEXT = "the expert pool holds the most used experts of each layer, and the ring streams the rest from disk.\n"
@@ -15,8 +15,7 @@ CTX, STRIDE = "32", "12"  # about 100 tokens: 8 windows, the last one short
 
 
 def perplexity(store: str, file: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moestream", "perplexity", store, str(file), "--device", "cpu",
-                           "--ctx", CTX, "--stride", STRIDE, *args], capture_output=True, text=True)
+    return run_cli("perplexity", store, str(file), "--device", "cpu", "--ctx", CTX, "--stride", STRIDE, *args)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +90,6 @@ def test_bad_input_ends_in_one_line(tiny, tmp_path, case, message):
     if case == "missing":
         file = tmp_path / "absent.txt"
     args = {"ctx": ["--ctx", "100000"], "stride": ["--stride", "600"]}.get(case, [])
-    proc = subprocess.run([sys.executable, "-m", "moestream", "perplexity", tiny.store("qwen3_moe"), str(file),
-                           "--device", "cpu", *args], capture_output=True, text=True)
+    proc = run_cli("perplexity", tiny.store("qwen3_moe"), str(file), "--device", "cpu", *args)
     assert proc.returncode == 1 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert message in proc.stderr

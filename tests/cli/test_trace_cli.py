@@ -3,18 +3,18 @@ and the engine's measured hit rate equal to the simulator's `engine` row at the 
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from moestream.experts.store import open_store
+from tests.cli.inprocess import run_cli
 
 PROMPT = "The expert pool holds the records a step needs; the ring streams the rest. " * 3
 TOKENS = 10
 
 
 def moestream(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True)
+    return run_cli(*args)
 
 
 def generate(store: str, path, *args: str) -> dict:
