@@ -355,6 +355,7 @@ NGRAM_TIERS = ("auto", "host", "disk")
 SPECULATION = ("off", "lookup", "mtp")
 MAX_DRAFTS = 4
 MAX_BATCH = 16  # a batched step's rows keep the bits of single steps up to the decode kernels' tile (kernels/ops.py)
+MAX_GPUS = 8  # one host's
 
 
 def _check(ok: bool, message: str) -> None:
@@ -427,6 +428,9 @@ class EngineConfig:
     # sequences decoded together (continuous batching; engine/scheduler.py): each holds a decode state of
     # `max_context` rows once it runs; 1 with MTP drafts, or with a PLE table on disk
     max_batch: int = 16
+    # GPUs of one host the experts are spread over (engine/ranks.py): each holds expert e of every layer where
+    # e % gpus is its rank, with the pool and host-tier budgets given per GPU; on the CPU, processes (tests)
+    gpus: int = 1
 
     def __post_init__(self):
         _check(self.device in (None, "cuda", "cpu"), f"device {self.device!r}: choose cuda or cpu")
@@ -441,6 +445,9 @@ class EngineConfig:
                f"speculation {self.speculation!r}: choose {', '.join(SPECULATION)}")
         _check(isinstance(self.max_batch, int) and 1 <= self.max_batch <= MAX_BATCH,
                f"--max-batch {self.max_batch!r}: choose 1..{MAX_BATCH}")
+        _check(isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS, f"--gpus {self.gpus!r}: choose 1..{MAX_GPUS}")
+        _check(self.gpus == 1 or self.gpu_gb is None,
+               "--gpu-gb plans one GPU's memory; with --gpus give each GPU's --pool-gb (and --host-gb)")
         _check(self.drafts is None or (isinstance(self.drafts, int) and 0 <= self.drafts <= MAX_DRAFTS),
                f"--drafts {self.drafts!r}: choose 0..{MAX_DRAFTS}")
 

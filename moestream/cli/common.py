@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moestream.config import DECODE_MODES, MAX_BATCH, MAX_DRAFTS, SPECULATION, EngineConfig
+from moestream.config import DECODE_MODES, MAX_BATCH, MAX_DRAFTS, MAX_GPUS, SPECULATION, EngineConfig
 
 DEFAULTS = EngineConfig()
 
@@ -54,11 +54,14 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
                    help=f"sequences decoded together, each with a decode state of --max-context rows (default "
                         f"{defaults.max_batch}; 1 with --spec mtp; with --spec lookup a sequence drafts while it runs "
                         "alone)")
+    p.add_argument("--gpus", type=int, choices=range(1, MAX_GPUS + 1), metavar=f"1..{MAX_GPUS}",
+                   help="GPUs of this host to spread the experts over, expert e of each layer on GPU e %% N, each with "
+                        "--pool-gb and --host-gb of its own (default 1)")
 
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",
                "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "prefill_chunk",
-               "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch")
+               "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch", "gpus")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -65,6 +65,19 @@ class LLM:
         cfg = dataclasses.replace(cfg, device=device, dtype=dtype, expert=self._precisions(store, cfg.expert))
         self.engine_config, self.device, self.dtype = cfg, torch.device(device), getattr(torch, cfg.dtype)
         self.config = self.store.model  # the model (ModelConfig); engine options are in engine_config
+        self.provider = self.ranks = None
+        if cfg.gpus > 1:  # the other ranks load their experts while this one loads the model
+            from moestream.engine.ranks import Ranks
+
+            self.ranks = Ranks(store, cfg, self.device, self.config.hidden_size, self.config.num_experts_per_tok,
+                               self.dtype)
+        try:
+            self._load(store, cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, store: str, cfg: EngineConfig) -> None:
         cuda = self.device.type == "cuda"
         baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
         if cuda:
@@ -90,7 +103,8 @@ class LLM:
         # the batch slots past the first make their decode states as sequences need them: a pool sized from free
         # memory leaves them room
         later = (self.max_batch - 1) * state_bytes(self.model, self.dtype, cfg.max_context) if cuda else 0
-        self.provider = ExpertProvider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok, later)
+        provider = self.ranks.provider if self.ranks else ExpertProvider
+        self.provider = provider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok, later)
         for block in self.model.moe_blocks(mtp=True):
             block.provider = self.provider
         self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})
@@ -326,9 +340,12 @@ class LLM:
     def close(self) -> None:
         """Stop the fetch threads and let go of the pool, the pinned host tier and the n-gram tables, so that
         another engine can load in this process (the load froze its objects out of the collector's reach)."""
-        if self.provider is None:
+        if self.provider is not None:
+            self.provider.close()
+        if self.ranks is not None:
+            self.ranks.close()
+        if self.provider is None and self.ranks is None:
             return
-        self.provider.close()
-        self.decoder = self.head = self.provider = self.model = self.prefix_cache = None
+        self.decoder = self.head = self.provider = self.ranks = self.model = self.prefix_cache = None
         gc.unfreeze()
         gc.collect()

@@ -10,8 +10,9 @@ from moestream.experts.residency import Residency
 
 
 class AddressTable:
-    def __init__(self, residency: Residency):
-        self.res = residency
+    def __init__(self, residency: Residency, keep: list[bool] | None = None):
+        """`keep`: by expert id, the experts this rank holds (experts/sharding.py); None: all of them."""
+        self.res, self.keep = residency, keep
         self.addresses, self.record_bits = None, None  # persistent: a captured graph sees every rebuild
         self.valid, self.host_evictions = False, 0
 
@@ -21,7 +22,9 @@ class AddressTable:
         (for pool fills and lookahead) while the tier has free slots. Returns where ("pool" or "host"), or None
         when neither holds the whole model."""
         res = self.res
-        g, pool, host, total = res.geometry, res.pool, res.host, res.geometry.num_records
+        g, pool, host = res.geometry, res.pool, res.host
+        experts = [e for e in range(g.num_experts) if self.keep is None or self.keep[e]]
+        total = g.num_layers * len(experts)
         if pool.num_slots >= total:
             where = "pool"
         elif host is not None and host.capacity >= total:
@@ -31,7 +34,7 @@ class AddressTable:
         futures = []
         for layer in range(g.num_layers):
             items = []  # pool slots for this layer's records (distinct: the pool holds the whole model)
-            for e in range(g.num_experts):
+            for e in experts:
                 rid = g.rid(layer, e)
                 if where == "pool" and pool.lookup(rid) is None:
                     items.append((rid, pool.allocate(rid)))
@@ -42,7 +45,8 @@ class AddressTable:
                 on_progress(layer + 1, g.num_layers)
         if where == "host" and res.miss != res.base:  # mixed mode: Q4 records in the free slots alone, evicting none
             free = host.capacity - len(host.slot_of)
-            for rid in [rid for rid in range(total) if (res.base, rid) not in host.slot_of][:free]:
+            records = [g.rid(layer, e) for layer in range(g.num_layers) for e in experts]
+            for rid in [rid for rid in records if (res.base, rid) not in host.slot_of][:free]:
                 futures.append(res.fetcher.fill_host(rid, res.base, rid // g.num_experts))
         for f in futures:
             f.result(timeout=res.cfg.io_timeout_s * max(1, len(futures) // 64))

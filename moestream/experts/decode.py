@@ -14,8 +14,9 @@ from moestream.experts.residency import Residency
 
 
 class DecodePath:
-    def __init__(self, residency: Residency, top_k: int, lookahead: bool):
-        self.res, self.top_k, self.lookahead = residency, top_k, lookahead
+    def __init__(self, residency: Residency, top_k: int, lookahead: bool, keep: list[bool] | None = None):
+        """`keep`: by expert id, the experts this rank holds (experts/sharding.py), the only ones it prefetches."""
+        self.res, self.top_k, self.lookahead, self.keep = residency, top_k, lookahead, keep
         self.routers: dict[int, torch.Tensor] = {}  # layer slot -> router weight, for lookahead
 
     def batches(self, layer: int, g: Grouping, x: torch.Tensor) -> Iterator[ExpertBatch]:
@@ -54,7 +55,7 @@ class DecodePath:
         res, pool = self.res, self.res.pool
         predicted = torch.topk(x @ router.T, self.top_k, dim=-1).indices.reshape(-1).unique().tolist()
         c = res.stats.at(layer + 1, res.base)
-        for e in predicted:
+        for e in predicted if self.keep is None else [e for e in predicted if self.keep[e]]:
             rid = res.geometry.rid(layer + 1, e)
             if pool.lookup(rid) is not None:
                 continue

@@ -4,6 +4,7 @@ of parts the provider hands the expert kernels: batches of records in slots, or 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +20,14 @@ class Grouping:
     order: torch.Tensor  # [T * K] flat (row * K + k) indices, grouped by expert (device of the ids)
 
 
-def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
-    """topk_ids [T, K] -> grouping. One small device-to-host copy: the per-expert counts."""
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None) -> Grouping:
+    """topk_ids [T, K] -> grouping. One small device-to-host copy: the per-expert counts. `keep` [num_experts]
+    bool: only those experts' entries (a rank's share, experts/sharding.py); the others sort last, unreferenced."""
     flat = topk_ids.reshape(-1)
+    if keep is not None:
+        flat = torch.where(keep[flat], flat, num_experts)
     order = torch.argsort(flat, stable=True)
-    per_expert = torch.bincount(flat, minlength=num_experts).tolist()
+    per_expert = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
     experts = [e for e, c in enumerate(per_expert) if c]
     counts = [per_expert[e] for e in experts]
     offsets = [0]
@@ -63,3 +67,10 @@ class AddressedExperts:
     ids: torch.Tensor
     layout: RecordLayout
     low_bit: tuple | None
+
+
+@dataclass(frozen=True)
+class RemoteExperts:
+    """The entries other ranks computed, summed into the step's outputs by `join(out)` (experts/sharding.py)."""
+
+    join: Callable[[torch.Tensor], None]

@@ -17,6 +17,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from moestream.experts.residency import Residency
 from moestream.experts.ring import RingAhead, RingPath
 from moestream.experts.store import Store
 from moestream.stats.trace import RoutingTrace
+
+if TYPE_CHECKING:
+    from moestream.experts.sharding import Shard
 
 
 @dataclass
@@ -43,19 +47,23 @@ class ExpertStep:
 
 
 class ExpertProvider:
-    def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int, reserved: int = 0):
-        """`reserved`: GPU bytes other parts take later, which a pool sized from free memory leaves them."""
-        self.cfg, self.top_k = cfg, top_k
+    def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int, reserved: int = 0,
+                 shard: Shard | None = None):
+        """`reserved`: GPU bytes other parts take later, which a pool sized from free memory leaves them. `shard`
+        (experts/sharding.py): this rank's share of the experts, the only ones it is asked for and preloads."""
+        self.cfg, self.top_k, self.shard = cfg, top_k, shard
         self.residency = res = Residency(store, cfg, device, top_k, reserved)
         self.geometry, self.layout, self.pool, self.stats = res.geometry, res.layouts[res.base], res.pool, res.stats
-        self.decode = DecodePath(res, top_k, cfg.lookahead)
-        self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead)
-        self.addresses = AddressTable(res)
-        self._scratch = None
+        self.keep = shard.keep(self.geometry.num_experts, device) if shard else None
+        keep = None if shard is None else self.keep.tolist()
+        self.decode = DecodePath(res, top_k, cfg.lookahead, keep)
+        self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead, keep)
+        self.addresses = AddressTable(res, keep)
+        self._scratch, self._held = None, None
 
     def attach(self, routers: dict[int, torch.Tensor]) -> None:
         """The routers by layer slot, for the decode path's lookahead."""
-        self.decode.routers = routers
+        self.decode.routers = {slot: w.to(self.residency.device.device) for slot, w in routers.items()}
 
     def parts(self, layer: int, ids: torch.Tensor, x: torch.Tensor, step: ExpertStep) -> Iterator:
         """The parts that compute layer `layer`'s routing entries `ids` [T, top_k] for activations x [T, H]."""
@@ -69,7 +77,7 @@ class ExpertProvider:
         res.flush()  # count earlier addressed steps before this step changes residency
         if res.trace is not None:
             res.trace.step(layer, ids.tolist())
-        g = group_by_expert(ids, self.geometry.num_experts)
+        g = group_by_expert(ids, self.geometry.num_experts, self.keep)
         res.pool.new_step()
         ahead, step.ahead = step.ahead, None  # good for the next layer's ring step only
         if ids.shape[0] >= self.cfg.prefill_min_rows or len(g.experts) > res.pool.num_slots:
@@ -84,7 +92,7 @@ class ExpertProvider:
         res = self.residency
         if self._scratch is None:
             self._scratch = torch.zeros(1, res.pool.stride, dtype=torch.uint8, device=res.device.device)
-        g = group_by_expert(ids, self.geometry.num_experts)
+        g = group_by_expert(ids, self.geometry.num_experts, self.keep)
         for layout in res.layouts.values():
             yield batch_of(g, list(range(len(g.experts))), self._scratch, layout, [0] * len(g.experts))
 
@@ -109,13 +117,19 @@ class ExpertProvider:
     @contextlib.contextmanager
     def uncounted(self):
         """Steps in the block leave the counters as they were (warming up)."""
-        self.residency.flush()
-        saved = copy.deepcopy((self.stats.layers, self.stats.expert_uses))
+        self.hold_counters()
         try:
             yield
         finally:
-            self.residency.flush()
-            self.stats.layers, self.stats.expert_uses = saved
+            self.restore_counters()
+
+    def hold_counters(self) -> None:
+        self.residency.flush()
+        self._held = copy.deepcopy((self.stats.layers, self.stats.expert_uses))
+
+    def restore_counters(self) -> None:
+        self.residency.flush()
+        self.stats.layers, self.stats.expert_uses = self._held
 
     # -- reporting ------------------------------------------------------------------------------------
     def totals(self) -> dict:

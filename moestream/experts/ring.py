@@ -26,8 +26,9 @@ class RingAhead:
 
 
 class RingPath:
-    def __init__(self, residency: Residency, ring_group: int, lookahead: bool):
-        self.res, self.lookahead = residency, lookahead
+    def __init__(self, residency: Residency, ring_group: int, lookahead: bool, keep: list[bool] | None = None):
+        """`keep`: by expert id, the experts this rank holds (experts/sharding.py), the only ones it fetches ahead."""
+        self.res, self.lookahead, self.keep = residency, lookahead, keep
         self.group = min(ring_group, residency.pool.ring_slots)  # a batch's copies go out together: one a slot
 
     def batches(self, layer: int, g: Grouping, ahead: RingAhead | None) -> Generator[ExpertBatch, None, RingAhead]:
@@ -86,8 +87,9 @@ class RingPath:
         res, g, pool = self.res, self.res.geometry, self.res.pool
         if not self.lookahead or layer >= g.num_layers or entries < 8 * g.num_experts:
             return None
-        missing = [rid for rid in (g.rid(layer, e) for e in range(g.num_experts)) if rid not in pool.slot_of]
-        if g.num_experts - len(missing) < pool.num_slots // g.num_layers:
+        experts = [e for e in range(g.num_experts) if self.keep is None or self.keep[e]]
+        missing = [rid for rid in (g.rid(layer, e) for e in experts) if rid not in pool.slot_of]
+        if len(experts) - len(missing) < pool.num_slots // g.num_layers:
             return None
         items = [(rid, pool.ring_slot(r)) for r, rid in enumerate(missing[: pool.ring_slots])]
         if not items:

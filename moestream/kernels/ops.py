@@ -10,7 +10,7 @@ import os
 import torch
 
 from moestream.experts.format import NgramLayout
-from moestream.experts.grouping import AddressedExperts, ExpertBatch
+from moestream.experts.grouping import AddressedExperts, ExpertBatch, RemoteExperts
 from moestream.kernels import reference
 
 DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config; their rows' bits do
@@ -180,11 +180,15 @@ def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
     return reference.deltanet_step(*args)
 
 
-def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts, top_k: int, out: torch.Tensor) -> None:
+def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts | RemoteExperts, top_k: int,
+                out: torch.Tensor) -> None:
     """Unweighted outputs of the routing entries a provider part covers, into `out` [T * top_k, H] (entry
-    e = row * top_k + k): a batch's experts over their entries order[a:b] (`spans`), records in buffer slots; or
-    every entry with its record at `table[ids[e]]` (a layer's device addresses by expert id; CUDA only)."""
-    if isinstance(part, AddressedExperts):
+    e = row * top_k + k): a batch's experts over their entries order[a:b] (`spans`), records in buffer slots;
+    every entry with its record at `table[ids[e]]` (a layer's device addresses by expert id; CUDA only); or the
+    entries other ranks computed, joined into `out`."""
+    if isinstance(part, RemoteExperts):
+        part.join(out)
+    elif isinstance(part, AddressedExperts):
         from moestream.kernels import expert_mlp
 
         expert_mlp.per_entry(x, part, top_k, out)

@@ -42,6 +42,11 @@ def summary_table(stats: dict) -> Table:
         t.caption = (f"pool {pool['resident']}/{pool['slots']} records resident ({pool['precision']}, "
                      f"{pool['stride'] / 1e6:.2f} MB each), ring {pool['ring_slots']}, host tier {pool['host_slots']}; "
                      f"O_DIRECT {'on' if stats.get('direct_io') else 'off'}")
+    for rank in stats.get("ranks", []):  # experts spread over GPUs: each one's share
+        p, totals = rank["pool"], rank["totals"].values()
+        hits, lookups = sum(c["hits"] for c in totals), sum(c["lookups"] for c in totals)
+        t.caption += (f"\nGPU {rank['rank']}: pool {p['resident']}/{p['slots']}, {_rate(hits, lookups)} hits "
+                      f"({hits}/{lookups}), host tier {p['host_slots']}")
     return t
 
 
