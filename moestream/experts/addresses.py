@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from moestream.experts.grouping import HostStaging
 from moestream.experts.residency import Residency
 
 
@@ -15,6 +16,7 @@ class AddressTable:
         self.res, self.keep = residency, keep
         self.addresses, self.record_bits = None, None  # persistent: a captured graph sees every rebuild
         self.valid, self.host_evictions = False, 0
+        self._staging = None
 
     def preload(self, on_progress=None) -> str | None:
         """Load every record of the base precision into the GPU pool if it holds them all, else into the host
@@ -91,6 +93,22 @@ class AddressTable:
             bits = [res.layouts[p].bits for p in precisions]
             self.record_bits.copy_(torch.tensor(bits, dtype=torch.int32).view(table.shape))
         return True
+
+    def staging(self) -> HostStaging | None:
+        """Where a step of several rows stages its host-tier records (None without a host tier): the ring's device
+        slots, which no addressed step otherwise uses; `Residency.flush` orders later ring copies after it."""
+        res = self.res
+        if res.host is None:
+            return None
+        if self._staging is None:
+            pool, host, device = res.pool, res.host, res.device.device
+            capacity = 1 << (pool.ring_slots.bit_length() - 1)  # a power of two: the plan kernel's width
+            self._staging = HostStaging(
+                host.buffer.data_ptr(), host.buffer.data_ptr() + host.buffer.numel(),
+                pool.buffer[pool.num_slots:pool.num_slots + capacity], res.layouts[res.miss].stride,
+                torch.empty(res.geometry.num_experts, dtype=torch.int64, device=device),
+                torch.empty(capacity, dtype=torch.int64, device=device))
+        return self._staging
 
     def low_bit(self, layer: int) -> tuple | None:
         """Mixed mode: (the miss layout, layer `layer`'s record bits by expert id) for a step that reads records

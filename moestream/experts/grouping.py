@@ -59,14 +59,30 @@ def batch_of(grouping: Grouping, index: list[int], buffer: torch.Tensor, layout:
 
 
 @dataclass(frozen=True)
+class HostStaging:
+    """Where a batched addressed step copies its host-tier records first (kernels/staging.py): the pinned host
+    tier's byte range, device `slots` [capacity, stride] (the ring's, idle in such a step), the bytes of a host
+    record, and device scratch for the step's table [num_experts] and the slots' sources [capacity]."""
+
+    host_base: int
+    host_end: int
+    slots: torch.Tensor
+    record_bytes: int
+    table: torch.Tensor
+    sources: torch.Tensor
+
+
+@dataclass(frozen=True)
 class AddressedExperts:
     """Routing entry e reads the record at `table[ids[e]]` (a layer's addresses by expert id; ids [T * top_k]);
-    mixed mode, `low_bit`: (the miss layout, the layer's record bits by expert id)."""
+    mixed mode, `low_bit`: (the miss layout, the layer's record bits by expert id). With `staging` (several rows),
+    the step's host-tier records are copied to device slots once each before the entries read them."""
 
     table: torch.Tensor
     ids: torch.Tensor
     layout: RecordLayout
     low_bit: tuple | None
+    staging: HostStaging | None = None
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,9 @@ class ExpertProvider:
             yield from self._scratch_parts(ids)
             return
         if step.addresses is not None:
-            yield AddressedExperts(step.addresses[layer], ids.reshape(-1), self.layout, self.addresses.low_bit(layer))
+            staging = self.addresses.staging() if ids.shape[0] > 1 else None  # one row's ids are distinct
+            yield AddressedExperts(step.addresses[layer], ids.reshape(-1), self.layout, self.addresses.low_bit(layer),
+                                   staging)
             return
         res = self.residency
         res.flush()  # count earlier addressed steps before this step changes residency

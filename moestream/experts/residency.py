@@ -93,6 +93,9 @@ class Residency:
         read. A step looks each expert up once for all of its rows (the union); a pool record is a hit, any other
         a miss read in place from the host tier, as the table points."""
         noted, self._addressed = self._addressed, []
+        if self.host is not None and any(r.shape[1] > self.top_k for r in noted):
+            # batched steps staged host records in the ring's slots (AddressTable.staging): copies wait for them
+            self.done(range(self.pool.num_slots, self.pool.num_slots + self.pool.ring_slots))
         runs: list[list[torch.Tensor]] = []  # consecutive steps of one row count, in step order
         for routed in noted:
             if runs and runs[-1][0].shape[1] == routed.shape[1]:

@@ -281,11 +281,17 @@ def _identity(n: int, device: torch.device) -> torch.Tensor:
 def per_entry(x: torch.Tensor, part: AddressedExperts, top_k: int, out: torch.Tensor) -> None:
     """Routing entry e = row * top_k + k reads the record at `part.table[part.ids[e]]` (a layer's device addresses
     by expert id), so a decode step needs no host decision. Mixed mode (`part.low_bit`: the miss layout and the
-    layer's record bits by expert id): each precision's entries in a launch of its own."""
+    layer's record bits by expert id): each precision's entries in a launch of its own. With `part.staging`, the
+    host-tier records are first copied to device slots, once per expert (kernels/staging.py)."""
     entries = _identity(part.ids.shape[0], x.device)
+    table = part.table
+    if part.staging is not None:
+        from moestream.kernels.staging import stage_host_records
+
+        table = stage_host_records(table, part.ids, part.staging)
     if part.low_bit is None:
-        launch_decode(x, out, entries, part.table, part.layout, top_k, records=part.ids)
+        launch_decode(x, out, entries, table, part.layout, top_k, records=part.ids)
         return
     miss_layout, record_bits = part.low_bit
     for each in (part.layout, miss_layout):
-        launch_decode(x, out, entries, part.table, each, top_k, records=part.ids, record_bits=record_bits)
+        launch_decode(x, out, entries, table, each, top_k, records=part.ids, record_bits=record_bits)

@@ -343,3 +343,18 @@ def hyper_mix(normed: torch.Tensor, projected: torch.Tensor, up_weight: torch.Te
     if projected.shape[-1] == lowrank:
         return mixed, None
     return mixed, 2 * torch.sigmoid(projected[:, lowrank:] / streams)
+
+
+def stage_plan(table: torch.Tensor, ids: torch.Tensor, host_base: int, host_end: int, slot_base: int,
+               slot_stride: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the table a batched step's entries read, each slot's host source or 0): the distinct ids whose record is
+    in [host_base, host_end), in order of first entry, take device slots while there are any; the rest read in
+    place."""
+    staged, sources, rank = table.clone(), torch.zeros(capacity, dtype=torch.int64), 0
+    for e in dict.fromkeys(ids.tolist()):
+        src = int(table[e])
+        if host_base <= src < host_end:
+            if rank < capacity:
+                staged[e], sources[rank] = slot_base + rank * slot_stride, src
+            rank += 1
+    return staged, sources
