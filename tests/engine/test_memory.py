@@ -68,7 +68,8 @@ def test_gpu_the_load_stays_within_its_budget(tiny):
     try:
         memory = llm.stats()["memory"]
         assert 0 < memory["peak_allocated"] <= 1e9
-        assert memory["decode_state"] == llm.gpu_plan.state
+        assert memory["decode_state"] * llm.max_batch == llm.gpu_plan.state  # the plan holds every batch slot's;
+        # the load makes the first slot's, the others as sequences take them
     finally:
         llm.close()
 
