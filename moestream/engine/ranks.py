@@ -56,10 +56,15 @@ class Ranks:
 
     def close(self) -> None:
         """Stop the other ranks' loops and let go of the groups."""
-        header(self.control, STOP)
-        dist.destroy_process_group()
-        for p in self.processes:
-            p.wait(timeout=TIMEOUT.total_seconds())
+        try:
+            header(self.control, STOP)
+        finally:
+            dist.destroy_process_group()
+            for p in self.processes:
+                try:
+                    p.wait(timeout=TIMEOUT.total_seconds())
+                except subprocess.TimeoutExpired:  # stuck in a collective a failed rank left open
+                    p.kill()
 
 
 def _free_port() -> int:
