@@ -44,6 +44,17 @@ for stage in "$@"; do
     suite-lowbit) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3-30b="$STORE" --modes low-bit ;;
     suite-next) wait_stores; suite "${SUITE_SECONDS:-580}" moestream --store qwen3.8-flash-next="$WORK/qwen3.8-flash-next" ;;
     suite-peers) wait_stores; suite "${PEERS_SECONDS:-${SUITE_SECONDS:-580}}" peers ;;
+    llamacpp-build-bg)  # llama-bench for sm_90 from .device/llama.cpp.tar.xz (benchmarks/llamacpp_slim.sh), ~5 min
+      mkdir -p "$WORK/lc" && tar xJf .device/llama.cpp.tar.xz -C "$WORK/lc"
+      setsid bash benchmarks/llamacpp_build.sh "$WORK/lc/llama.cpp" "$WORK/lc/build" > "$WORK/lc/build.log" 2>&1 &
+      echo $! > "$WORK/lc/build.pid" ;;
+    suite-llamacpp)  # the GGUF (~19 GB, written while the build runs), then llama-bench's rows into the suite
+      export PYTHONPATH="$PYTHONPATH:$(ls "$PWD"/.device/gguf-*.whl | head -1)"  # gguf-py, not on the image
+      [ -f "$WORK/qwen3-30b.gguf" ] || python -m benchmarks.llamacpp gguf "$WORK/qwen3-30b.gguf" \
+        --tokenizer .device/qwen3-tokenizer.json.gz 2>&1 | tail -2
+      while kill -0 "$(cat "$WORK/lc/build.pid")" 2>/dev/null; do sleep 2; done
+      cp "$WORK/lc/build.log" "$OUT/llamacpp-build.log"; tail -2 "$WORK/lc/build.log"
+      suite "${SUITE_SECONDS:-580}" llamacpp --llama-bench "$WORK/lc/build/bin/llama-bench" ;;
     flagship-store) timeout 580 python -m benchmarks.flagship store --work "$WORK" ${FLAGSHIP_STORE_ARGS:-} 2>&1 | tee "$OUT/flagship-store.log" ;;
     flagship) mkdir -p "$WORK/state"; f="$WORK/state/flagship.json"; st=(); [ -f "$f" ] && st=(--state "$f")
               timeout "${FLAGSHIP_SECONDS:-580}" python -m benchmarks.flagship run --work "$WORK" --out "$OUT/flagship" \

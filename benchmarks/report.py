@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-PEERS = ("transformers (GPU)", "transformers + accelerate (experts on CPU)")
+PEERS = ("transformers (GPU)", "transformers + accelerate (experts on CPU)", "llama.cpp (GPU)",
+         "llama.cpp --n-cpu-moe 36")
 HEADER = ["scenario", "pool", "host tier", "engine", "tok/s", "bound", "of bound", *PEERS]
 
 

@@ -5,6 +5,7 @@ in one run. Each stage fits one 10-minute call on the GPU machine:
   python -m benchmarks.suite limits     # pinned H2D, O_DIRECT disk, HBM copy
   python -m benchmarks.suite moestream  # decode b=1, prefill 512/4096; pool 100/50/25%; host tier on/off
   python -m benchmarks.suite peers      # transformers on GPU; transformers + accelerate with offloaded experts
+  python -m benchmarks.suite llamacpp --llama-bench BIN  # llama.cpp on a GGUF of the 30B geometry (llamacpp.py)
   python -m benchmarks.suite report     # table + plots from what the stages wrote
 
 Stages append to `suite.json` in the results folder (`results/suite/`, or `$OUT/suite/` on the GPU machine);
@@ -184,6 +185,23 @@ def stage_peers(args) -> list[dict]:
     return run_peers(stores, offload_tokens=args.offload_tokens, on_rows=args.save)
 
 
+def stage_llamacpp(args) -> list[dict]:
+    """llama-bench all on the GPU and with the experts of 36 layers in RAM, on `<work>/qwen3-30b.gguf` (written
+    first when missing: ~19 GB)."""
+    from benchmarks import llamacpp
+
+    if not args.llama_bench or not os.path.isfile(args.llama_bench):
+        raise MoestreamError("the llamacpp stage needs --llama-bench BIN (benchmarks/llamacpp_build.sh builds it)")
+    gguf = os.path.join(args.work, "qwen3-30b.gguf")
+    if not os.path.isfile(gguf):
+        llamacpp.write_gguf(gguf, tokenizer_json=args.tokenizer or llamacpp.TOKENIZER_JSON)
+    runs = []
+    for n_cpu_moe in (0, llamacpp.N_CPU_MOE):  # one run each: a call cut short keeps the first
+        runs += llamacpp.suite_rows(llamacpp.bench(args.llama_bench, gguf, (n_cpu_moe,), reps=3)["rows"])
+        args.save(runs)
+    return runs
+
+
 def stage_report(args) -> None:
     from benchmarks.report import write_report
 
@@ -194,7 +212,7 @@ def stage_report(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("stage", choices=["stores", "limits", "moestream", "peers", "report"])
+    p.add_argument("stage", choices=["stores", "limits", "moestream", "peers", "llamacpp", "report"])
     p.add_argument("--skew", type=float, default=0.0, help="router skew for the stores (0 = even popularity)")
     p.add_argument("--offload-tokens", type=int, default=3)
     p.add_argument("--modes", choices=["all", "q4", "low-bit"], default="all",
@@ -204,6 +222,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--state", help="a suite.json from an earlier call to continue (each call's $OUT starts empty)")
     p.add_argument("--store", action="append", default=[], help="NAME=PATH: benchmark this store instead")
+    p.add_argument("--llama-bench", help="llamacpp stage: the llama-bench binary")
+    p.add_argument("--tokenizer", help="llamacpp stage: Qwen3's tokenizer.json (or .json.gz) for the GGUF")
     args = p.parse_args()
     args.out = args.out or out_dir("suite")
     args.stores = dict(spec.split("=", 1) for spec in args.store) or {m: os.path.join(args.work, m) for m in MODELS}
@@ -224,7 +244,7 @@ def main() -> None:
             records = (s.experts_path("q4"), s.manifest.layouts["q4"].stride)
         state["limits"] = limits(records=records)
         print(state["limits"])
-    elif args.stage in ("moestream", "peers"):
+    elif args.stage in ("moestream", "peers", "llamacpp"):
         earlier = state["runs"]
 
         commit = machine()["commit"]
@@ -240,7 +260,8 @@ def main() -> None:
             _save(args.out, state)
 
         args.save = save
-        save(stage_moestream(args) if args.stage == "moestream" else stage_peers(args))
+        stage = {"moestream": stage_moestream, "peers": stage_peers, "llamacpp": stage_llamacpp}[args.stage]
+        save(stage(args))
     # keyed by what the call ran, so that each call's time is kept for planning the next lease
     key = args.stage + (f" {args.modes} {','.join(args.stores)}" if args.stage == "moestream" else "")
     state.setdefault("stage_seconds", {})[key] = time.time() - start

@@ -12,7 +12,7 @@ from pathlib import Path
 import moestream
 from moestream.errors import MoestreamError
 
-STAGES = ["stores", "limits", "moestream", "peers", "report"]
+STAGES = ["stores", "limits", "moestream", "peers", "llamacpp", "report"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

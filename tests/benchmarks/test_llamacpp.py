@@ -100,3 +100,16 @@ def test_llama_bench_json_becomes_rows():
         {"scenario": "gpu", "test": "tg8", "tok_s": 36.371642, "stddev": 0.487373},
         {"scenario": "n_cpu_moe=1", "test": "pp64", "tok_s": 634.582641, "stddev": 7.428934},
     ]
+
+
+def test_bench_rows_join_the_suite_beside_ours():
+    from benchmarks.report import PEERS, table
+
+    rows = llamacpp.suite_rows([{"scenario": "gpu", "test": "tg128", "tok_s": 90.0, "stddev": 1.0},
+                                {"scenario": "n_cpu_moe=36", "test": "pp512", "tok_s": 2000.0, "stddev": 9.0}])
+    assert [(r["engine"], r["scenario"], r["tokens"], r["pool"]) for r in rows] == [
+        ("llama.cpp (GPU)", "decode", 16, 1.0), ("llama.cpp --n-cpu-moe 36", "prefill", 512, 0.25)]
+    assert {r["engine"] for r in rows} <= set(PEERS)
+    ours = {"model": "qwen3-30b", "engine": "moestream", "pool": 0.25, "host_tier": True, "scenario": "prefill",
+            "tokens": 512, "rate": 1500.0}
+    assert table(rows + [ours], "qwen3-30b")[-1].endswith("| - | - | - | 2,000.0 |")
