@@ -90,9 +90,11 @@ class ShardedProvider(ExpertProvider):
     @contextlib.contextmanager
     def uncounted(self):
         self.call("hold_counters")
-        with super().uncounted():
-            yield
-        self.call("restore_counters")
+        try:
+            with super().uncounted():
+                yield
+        finally:
+            self.call("restore_counters")
 
     def _header(self, op: int, layer: int = 0, rows: int = 0, scratch: int = 0) -> None:
         header(self.control, op, layer, rows, scratch)

@@ -58,6 +58,16 @@ def test_each_rank_keeps_only_its_own_experts(tiny):
     assert held and all(e % 2 == 1 for e in held)
 
 
+def test_uncounted_steps_leave_every_ranks_counters(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", gpus=2)
+    try:
+        with llm.provider.uncounted():  # the warm-up's way
+            llm.generate([prompt_of(llm, PROMPT)], SamplingParams(max_tokens=2))
+        assert [r["totals"].get("q4", {}).get("lookups", 0) for r in llm.stats()["ranks"]] == [0, 0]
+    finally:
+        llm.close()
+
+
 def test_batched_prompts_on_two_ranks_get_what_each_gets_alone(tiny):
     store = tiny.store("qwen3_moe")
     params = SamplingParams(max_tokens=8)
