@@ -340,12 +340,11 @@ class LLM:
     def close(self) -> None:
         """Stop the fetch threads and let go of the pool, the pinned host tier and the n-gram tables, so that
         another engine can load in this process (the load froze its objects out of the collector's reach)."""
-        if self.provider is not None:
-            self.provider.close()
-        if self.ranks is not None:
-            self.ranks.close()
         if self.provider is None and self.ranks is None:
             return
+        for part in (self.provider, self.ranks):  # the provider's fetch threads first, then the other ranks
+            if part is not None:
+                part.close()
         self.decoder = self.head = self.provider = self.ranks = self.model = self.prefix_cache = None
         gc.unfreeze()
         gc.collect()
