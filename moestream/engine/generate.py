@@ -84,6 +84,7 @@ class Generation:
         self.sampler = Sampler(seq.params, device, constraint)
         self.last: int | None = None  # the token the next step feeds
         self.finish_reason: str | None = None
+        self.prompt_logits: torch.Tensor | None = None  # the prompt's last logits, once prefilled (for `fork`)
         self._decode_start = 0.0
 
     @property
@@ -110,10 +111,27 @@ class Generation:
         if stop < len(seq.prompt):
             t.prefill_seconds += time.perf_counter() - tic
             return []
-        logits = self.model.logits(hidden[-1:])[0]  # the last row alone: the same bits with or without the others'
-        pick = self.sampler.pick(logits, self._history())
+        self.prompt_logits = self.model.logits(hidden[-1:])[0]  # the last row alone: its bits whatever came with it
         t.prompt_tokens = len(seq.prompt)
         t.prefill_seconds += time.perf_counter() - tic
+        return self._first()
+
+    @property
+    def can_fork(self) -> bool:
+        """Whether this sequence's prefill may be another's: not with prompt log probabilities (every row's logits)
+        nor with an MTP head (it waits on the prompt's last hidden row)."""
+        return self.seq.params.prompt_logprobs is None and (self.speculator is None or self.speculator.head is None)
+
+    def fork(self, state: SequenceState, logits: torch.Tensor) -> list[Step]:
+        """Start from another sequence's prefill of the same prompt, with no forward: `state` a snapshot of its state
+        at the prompt's end, `logits` its `prompt_logits`. The bits are those of a prefill of its own."""
+        self.seq.state.load(state)
+        self.seq.timings.prompt_tokens = self.seq.timings.cached_tokens = len(self.seq.prompt)
+        self.prompt_logits = logits
+        return self._first()
+
+    def _first(self) -> list[Step]:
+        pick = self.sampler.pick(self.prompt_logits, self._history())
         self._decode_start = time.perf_counter()
         return self._take([pick])
 

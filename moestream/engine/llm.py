@@ -231,7 +231,7 @@ class LLM:
             if len(ids) >= context:
                 raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, context - len(ids)))
-        return self.scheduler.submit(Request(lambda slot: self._open(ids, params, slot), cancelled))
+        return self.scheduler.submit(Request(lambda slot: self._open(ids, params, slot), cancelled, tuple(ids)))
 
     def _open(self, ids: list[int], params: SamplingParams, slot: int) -> gen.Generation:
         """The generation of `ids` on batch slot `slot`'s state, from the deepest cached prefix when there is one."""

@@ -25,6 +25,7 @@ class Request:
 
     open: Callable[[int], Generation]  # its generation, started on the given slot's state
     cancelled: Callable[[], bool] | None = None
+    prompt: tuple[int, ...] = ()  # its token ids: requests of one prompt share one prefill
     generation: Generation | None = None
     slot: int | None = None
     steps: deque[Step] = field(default_factory=deque)
@@ -44,6 +45,9 @@ class Scheduler:
         self.prefilling: Request | None = None
         self.running: list[Request] = []  # in slot order: running[i] holds slot i
         self.batch_rows: dict[int, int] = {}  # rows a decode step had -> how many such steps
+        # (prompt, state snapshot at its end, its last logits) of a prefill that waiting requests of the same prompt
+        # start from (n choices of one request), so that a prompt is prefilled once
+        self.forked: tuple | None = None
 
     @property
     def busy(self) -> bool:
@@ -84,6 +88,8 @@ class Scheduler:
         for request in [*self.waiting, *self.running, *([self.prefilling] if self.prefilling else [])]:
             if request.is_cancelled():
                 self.cancel(request)
+        if self.forked is not None and not self._awaited(self.forked[0]):
+            self.forked = None
         budget = self.prefill_tokens
         while budget > 0:
             if self.prefilling is None:
@@ -92,15 +98,42 @@ class Scheduler:
                 request = self.prefilling = self.waiting.popleft()
                 request.slot = len(self.running)
                 request.generation = request.open(request.slot)
+                if self._fork(request):
+                    continue
             request = self.prefilling
             before = request.generation.seq.state.length
             self._deliver(request, request.generation.prefill_chunk())
             budget -= request.generation.seq.state.length - before
-            if request.generation.prefilled and not request.finished:
-                self.prefilling = None
-                self._join(request)
+            if request.generation.prefilled:
+                self._keep_for_forks(request)
+                if not request.finished:
+                    self.prefilling = None
+                    self._join(request)
         if self.running:
             self._decode()
+
+    def _awaited(self, prompt: tuple[int, ...]) -> bool:
+        return any(r.prompt == prompt for r in self.waiting)
+
+    def _keep_for_forks(self, request: Request) -> None:
+        """A prompt just prefilled that waiting requests repeat: its state and logits, for them to start from."""
+        g = request.generation
+        if request.prompt and g.can_fork and self._awaited(request.prompt):
+            self.forked = request.prompt, g.seq.state.snapshot(), g.prompt_logits
+        g.prompt_logits = None
+
+    def _fork(self, request: Request) -> bool:
+        """Start `request` from the kept prefill of its prompt, if there is one; it joins the running ones."""
+        if self.forked is None or request.prompt != self.forked[0] or not request.generation.can_fork:
+            return False
+        self._deliver(request, request.generation.fork(*self.forked[1:]))
+        request.generation.prompt_logits = None
+        if not self._awaited(request.prompt):
+            self.forked = None
+        if not request.finished:
+            self.prefilling = None
+            self._join(request)
+        return True
 
     def _join(self, request: Request) -> None:
         """A prefilled sequence joins the running ones, in the slot after theirs."""
