@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from moestream.cli.demo import DEMO_STORE
 from moestream.config import EngineConfig
 from moestream.engine.llm import LLM
 from moestream.errors import ConfigError
@@ -29,7 +30,7 @@ def _trace(store: str, **options) -> tuple[list[int], torch.Tensor, dict]:
         llm.close()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "qwen3_next"])
 def test_greedy_tokens_and_logits_are_the_same_on_one_two_and_four_ranks(tiny, model_type):
     store = tiny.store(model_type)
     tokens, logits, stats = _trace(store)
@@ -56,6 +57,19 @@ def test_each_rank_keeps_only_its_own_experts(tiny):
         llm.close()
     held = [e for layer in resident for e in layer["resident"]]
     assert held and all(e % 2 == 1 for e in held)
+
+
+def test_mtp_drafts_on_two_ranks_keep_the_tokens():
+    """The MTP head's experts (one more record layer) are spread too."""
+    params, outs = SamplingParams(max_tokens=16), []
+    for gpus in (1, 2):
+        llm = LLM(DEMO_STORE, device="cpu", gpus=gpus, speculation="mtp")
+        try:
+            outs.append(llm.generate(["def fibonacci(n):\n    "], params)[0].token_ids)
+            assert llm.stats()["speculation"]["steps"] > 0
+        finally:
+            llm.close()
+    assert outs[0] == outs[1]
 
 
 def test_uncounted_steps_leave_every_ranks_counters(tiny):
