@@ -63,6 +63,12 @@ def _tensors(obj, fn):
     return total
 
 
+def host_snapshot(state: SequenceState) -> tuple[SequenceState, int]:
+    """A snapshot of `state` in host memory (it must not take GPU memory from the expert pool), and its bytes."""
+    snap = state.snapshot()
+    return snap, _tensors(snap, lambda t: t.cpu())
+
+
 def _capacity(layer_state) -> int | None:
     return layer_state.k.shape[0] if hasattr(layer_state, "reserve") else None
 
@@ -110,8 +116,7 @@ class PrefixCache:
             if key in self.entries:
                 self.entries.move_to_end(key)
                 return
-        snap = state.snapshot()
-        nbytes = _tensors(snap, lambda t: t.cpu())
+        snap, nbytes = host_snapshot(state)
         if nbytes > self.budget_bytes:
             with self.lock:
                 self.counters["too_big"] += 1

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moestream.engine.generate import Generation, Step
+from moestream.engine.prefix_cache import host_snapshot
 
 
 @dataclass
@@ -45,8 +46,8 @@ class Scheduler:
         self.prefilling: Request | None = None
         self.running: list[Request] = []  # in slot order: running[i] holds slot i
         self.batch_rows: dict[int, int] = {}  # rows a decode step had -> how many such steps
-        # (prompt, state snapshot at its end, its last logits) of a prefill that waiting requests of the same prompt
-        # start from (n choices of one request), so that a prompt is prefilled once
+        # (prompt, host snapshot of the state at its end, its last logits) of a prefill that waiting requests of the
+        # same prompt start from (n choices of one request), so that a prompt is prefilled once
         self.forked: tuple | None = None
 
     @property
@@ -119,7 +120,7 @@ class Scheduler:
         """A prompt just prefilled that waiting requests repeat: its state and logits, for them to start from."""
         g = request.generation
         if request.prompt and g.can_fork and self._awaited(request.prompt):
-            self.forked = request.prompt, g.seq.state.snapshot(), g.prompt_logits
+            self.forked = request.prompt, host_snapshot(g.seq.state)[0], g.prompt_logits
         g.prompt_logits = None
 
     def _fork(self, request: Request) -> bool:
