@@ -22,10 +22,8 @@ class DecodePath:
     def batches(self, layer: int, g: Grouping, x: torch.Tensor) -> Iterator[ExpertBatch]:
         res, pool, geometry = self.res, self.res.pool, self.res.geometry
         res.stats.at(layer, res.base).decode_steps += 1
-        jobs = []  # (expert index, slot, wait)
-        for j, e in enumerate(g.experts):
-            slot = res.lookup(layer, geometry.rid(layer, e))
-            jobs.append((j, slot, pool.pending[slot] if slot is not None else None))
+        slots = res.lookups(layer, [geometry.rid(layer, e) for e in g.experts])
+        jobs = [(j, slot, pool.pending[slot] if slot is not None else None) for j, slot in enumerate(slots)]
         misses = [i for i, (_, slot, _) in enumerate(jobs) if slot is None]
         items = []
         for i in misses:  # demand misses: into distinct slots, pinned for this step

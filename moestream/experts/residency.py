@@ -1,7 +1,7 @@
 """Where expert records are: the GPU pool, the pinned host tier and the fetches between them, and the one place
 that counts what each step found.
 
-A lookup is counted when a step asks for a record (`lookup`), or in bulk for steps that read their records by
+A lookup is counted when a step asks for its records (`lookups`), or in bulk for steps that read their records by
 address with no host decision (`note_addressed`, counted by `flush` against the residency they ran with). Fetches
 fill pool or ring slots on the copy stream; each slot remembers the fetch filling it and the compute event after
 its last reader (pool.py), so a copy never lands in a slot a kernel may still read, nor a kernel reads before it.
@@ -52,20 +52,26 @@ class Residency:
         self.trace = None  # a stats.trace.RoutingTrace while routing is recorded (the provider's `trace`)
 
     # -- counting -------------------------------------------------------------------------------------
-    def lookup(self, layer: int, rid: int) -> int | None:
-        """The record's pool slot (a hit, pinned for this step), or None (a miss); counted."""
-        slot = self.pool.lookup(rid)
-        self.stats.expert_uses[layer][rid % self.geometry.num_experts] += 1
-        if slot is None:
-            self._count_misses(layer, 1)
-            return None
-        precision = self.pool.precision_of[slot]
-        self._count_hits(layer, precision, 1)
-        self.pool.pin(slot)
-        if rid in self.pool.prefetched:
-            self.pool.prefetched.discard(rid)
-            self.stats.at(layer, precision).prefetch_used += 1
-        return slot
+    def lookups(self, layer: int, rids: list[int]) -> list[int | None]:
+        """`lookup` of a step's records: the same slots, pins and counts, counted once for all of them (a resident
+        prefill layer's host work waits the GPU: 128 lookups one by one were most of it)."""
+        pool, uses, n = self.pool, self.stats.expert_uses[layer], self.geometry.num_experts
+        slots, hits = [pool.lookup(rid) for rid in rids], {}
+        for rid, slot in zip(rids, slots):
+            uses[rid % n] += 1
+            if slot is None:
+                continue
+            precision = pool.precision_of[slot]
+            hits[precision] = hits.get(precision, 0) + 1
+            pool.pin(slot)
+            if rid in pool.prefetched:
+                pool.prefetched.discard(rid)
+                self.stats.at(layer, precision).prefetch_used += 1
+        for precision, count in hits.items():
+            self._count_hits(layer, precision, count)
+        if misses := len(rids) - sum(hits.values()):
+            self._count_misses(layer, misses)
+        return slots
 
     def _count_hits(self, layer: int, precision: str, n: int) -> None:
         """`n` lookups that hit pool records of `precision`, each a pool read."""

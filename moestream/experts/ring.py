@@ -37,7 +37,7 @@ class RingPath:
         res.stats.at(layer, res.base).prefill_steps += 1
         prof = res.profiler.begin(layer)
         rids = [geometry.rid(layer, e) for e in g.experts]
-        hits = [res.lookup(layer, rid) for rid in rids]  # every hit first, pinned before any fill evicts
+        hits = res.lookups(layer, rids)  # every hit first, pinned before any fill evicts
         waits = [pool.pending[s] if s is not None else None for s in hits]
         idle, spare, room, share = pool.ring_room(layer, set(g.experts), sum(s is not None for s in hits),
                                                   geometry.num_layers, geometry.num_experts)
