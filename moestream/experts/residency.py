@@ -53,8 +53,8 @@ class Residency:
 
     # -- counting -------------------------------------------------------------------------------------
     def lookups(self, layer: int, rids: list[int]) -> list[int | None]:
-        """`lookup` of a step's records: the same slots, pins and counts, counted once for all of them (a resident
-        prefill layer's host work waits the GPU: 128 lookups one by one were most of it)."""
+        """Each record's pool slot (a hit, pinned for this step) or None (a miss), counted once for all of them (a
+        resident prefill layer's host work keeps the GPU waiting: counting 128 lookups one by one was most of it)."""
         pool, uses, n = self.pool, self.stats.expert_uses[layer], self.geometry.num_experts
         slots, hits = [pool.lookup(rid) for rid in rids], {}
         for rid, slot in zip(rids, slots):
