@@ -145,8 +145,10 @@ def stage_moestream(args) -> list[dict]:
         g, per_token, dense = store.manifest.geometry, flops_per_token(store), dense_bytes(store)
         modes = []
         if args.modes in ("all", "q4"):
-            modes += [("moestream", {}, frac, host) for frac in POOLS for host in (False, True) if frac < 1 or not host]
-            modes += [(engine, opts, 0.25, True) for engine, opts in RING] if name == "qwen3-30b" else []
+            modes += [("moestream", {}, frac, host) for frac in args.pools
+                      for host in (args.tiers if frac < 1 else [False])]
+            if name == "qwen3-30b" and args.pools == list(POOLS):  # the ring's A/B belongs to the full suite
+                modes += [(engine, opts, 0.25, True) for engine, opts in RING]
         if name == "qwen3-30b" and args.modes in ("all", "low-bit"):
             modes += [(engine, opts, 0.25, host) for engine, opts in LOW_BIT for host in (True, False)]
         for engine, opts, frac, host in modes:
@@ -224,7 +226,11 @@ def main() -> None:
     p.add_argument("--store", action="append", default=[], help="NAME=PATH: benchmark this store instead")
     p.add_argument("--llama-bench", help="llamacpp stage: the llama-bench binary")
     p.add_argument("--tokenizer", help="llamacpp stage: Qwen3's tokenizer.json (or .json.gz) for the GGUF")
+    p.add_argument("--pools", default=",".join(map(str, POOLS)), help="moestream stage: pool fractions (%(default)s)")
+    p.add_argument("--tiers", default="disk,host", help="moestream stage: below the pool, disk and/or host")
     args = p.parse_args()
+    args.pools = [float(f) for f in args.pools.split(",")]
+    args.tiers = [{"disk": False, "host": True}[t] for t in args.tiers.split(",")]
     args.out = args.out or out_dir("suite")
     args.stores = dict(spec.split("=", 1) for spec in args.store) or {m: os.path.join(args.work, m) for m in MODELS}
     if args.stage == "report":  # reads what the stages wrote; needs no GPU and no stores
