@@ -87,6 +87,7 @@ class AddressedExperts:
 
 @dataclass(frozen=True)
 class RemoteExperts:
-    """The entries other ranks computed, summed into the step's outputs by `join(out)` (experts/sharding.py)."""
+    """Entries computed away from this step's kernels, joined into the step's outputs by `join(out)`: other
+    ranks' (experts/sharding.py) or the host CPU's (experts/host_compute.py)."""
 
     join: Callable[[torch.Tensor], None]

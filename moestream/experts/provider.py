@@ -25,6 +25,7 @@ from moestream.config import ExpertConfig
 from moestream.experts.addresses import AddressTable
 from moestream.experts.decode import DecodePath
 from moestream.experts.grouping import AddressedExperts, ExpertBatch, batch_of, group_by_expert
+from moestream.experts.host_compute import HostCompute
 from moestream.experts.residency import Residency
 from moestream.experts.ring import RingAhead, RingPath
 from moestream.experts.store import Store
@@ -57,7 +58,8 @@ class ExpertProvider:
         self.keep = shard.keep(self.geometry.num_experts, device) if shard else None
         keep = None if shard is None else self.keep.tolist()
         self.decode = DecodePath(res, top_k, cfg.lookahead, keep)
-        self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead, keep)
+        self.host_compute = HostCompute(res, cfg.cpu_experts)
+        self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead, keep, self.host_compute)
         self.addresses = AddressTable(res, keep)
         self._scratch, self._held = None, None
 
@@ -83,7 +85,7 @@ class ExpertProvider:
         res.pool.new_step()
         ahead, step.ahead = step.ahead, None  # good for the next layer's ring step only
         if ids.shape[0] >= self.cfg.prefill_min_rows or len(g.experts) > res.pool.num_slots:
-            step.ahead = yield from self.ring.batches(layer, g, ahead)
+            step.ahead = yield from self.ring.batches(layer, g, ahead, x)
         else:
             yield from self.decode.batches(layer, g, x)
 
@@ -156,4 +158,5 @@ class ExpertProvider:
         return self.residency.io_note
 
     def close(self) -> None:
+        self.host_compute.close()
         self.residency.close()

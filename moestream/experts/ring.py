@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass
 
-from moestream.experts.grouping import ExpertBatch, Grouping, batch_of
+import torch
+
+from moestream.experts.grouping import ExpertBatch, Grouping, RemoteExperts, batch_of
+from moestream.experts.host_compute import HostCompute
 from moestream.experts.residency import Residency
 from moestream.experts.ring_plan import plan_ring
 
@@ -26,13 +29,17 @@ class RingAhead:
 
 
 class RingPath:
-    def __init__(self, residency: Residency, ring_group: int, lookahead: bool, keep: list[bool] | None = None):
-        """`keep`: by expert id, the experts this rank holds (experts/sharding.py), the only ones it fetches ahead."""
-        self.res, self.lookahead, self.keep = residency, lookahead, keep
+    def __init__(self, residency: Residency, ring_group: int, lookahead: bool, keep: list[bool] | None = None,
+                 host_compute: HostCompute | None = None):
+        """`keep`: by expert id, the experts this rank holds (experts/sharding.py), the only ones it fetches ahead;
+        `host_compute`: chooses misses the host CPU computes instead (host_compute.py)."""
+        self.res, self.lookahead, self.keep, self.host_compute = residency, lookahead, keep, host_compute
         self.group = min(ring_group, residency.pool.ring_slots)  # a batch's copies go out together: one a slot
 
-    def batches(self, layer: int, g: Grouping, ahead: RingAhead | None) -> Generator[ExpertBatch, None, RingAhead]:
-        """Yields the layer's batches; returns the fetches started early for the next layer (or None)."""
+    def batches(self, layer: int, g: Grouping, ahead: RingAhead | None, x: torch.Tensor
+                ) -> Generator[ExpertBatch | RemoteExperts, None, RingAhead]:
+        """Yields the layer's batches, and last the part joining what the host CPU computed; returns the fetches
+        started early for the next layer (or None). x [T, H]: the layer's activations."""
         res, pool, geometry = self.res, self.res.pool, self.res.geometry
         res.stats.at(layer, res.base).prefill_steps += 1
         prof = res.profiler.begin(layer)
@@ -42,8 +49,12 @@ class RingPath:
         idle, spare, room, share = pool.ring_room(layer, set(g.experts), sum(s is not None for s in hits),
                                                   geometry.num_layers, geometry.num_experts)
         guesses = ahead.fetches if ahead is not None and ahead.layer == layer else {}
+        on_cpu = self.host_compute.choose(layer, g, hits, {rid for rid, _ in guesses.values()}) \
+            if self.host_compute is not None else []
+        cpu_part = self.host_compute.start(layer, g, on_cpu, x, res.top_k) if on_cpu else None
         plan = plan_ring(g.counts, rids, hits, [w is None or w.done() for w in waits], idle, spare, room, share,
-                         pool.ring_slot(0), pool.ring_slots, self.group, {r: rid for r, (rid, _) in guesses.items()})
+                         pool.ring_slot(0), pool.ring_slots, self.group, {r: rid for r, (rid, _) in guesses.items()},
+                         frozenset(on_cpu))
         for j in plan.fills:  # fills the pool (base precision) and stays for decode
             pool.allocate(rids[j], plan.slots[j])
             pool.pin(plan.slots[j])
@@ -77,6 +88,8 @@ class RingPath:
                     prof["compute"].append((begin, res.profiler.mark()))
             res.done([plan.slots[j] for j in idx])
             submit_ready(b)
+        if cpu_part is not None:
+            yield cpu_part
         res.profiler.end(prof)
         return self.speculate(layer + 1, len(g.order))
 

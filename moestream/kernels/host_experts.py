@@ -1,0 +1,109 @@
+"""Q4 experts on the host CPU, from records in host memory (the host tier): host_experts.c, built at first use
+with the system's C compiler (`cc -O3 -march=native -fopenmp`) into the user's cache and called through ctypes,
+which releases the GIL, so the caller's thread keeps feeding the GPU meanwhile. Its torch reference is
+`reference.expert_group`; its arithmetic is its own (fp32 sums in another order than the GPU kernels'), so a row
+computed here differs from the GPU's in its last bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from moestream.experts.format import RecordLayout
+
+SOURCE = os.path.join(os.path.dirname(__file__), "host_experts.c")
+FIELDS = ("gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b", "down_w", "down_s", "down_b")
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the model and flags of this host's CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:8192]
+    except OSError:
+        return platform.processor()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The built kernel, or why there is none (one line)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return "no C compiler (cc) on this machine"
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + cc.encode() + _cpu_identity().encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moestream")
+    path = os.path.join(cache, f"host_experts-{key}.so")
+    if not os.path.isfile(path):
+        os.makedirs(cache, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", SOURCE, "-o", tmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            return f"building the host expert kernel failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+        os.replace(tmp, path)  # atomic: another process may be building the same file
+    lib = ctypes.CDLL(path)
+    lib.q4_experts.restype = None
+    lib.q4_experts.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + \
+        [ctypes.c_void_p] * 5
+    return lib
+
+
+def unavailable(layout: RecordLayout) -> str | None:
+    """Why records of `layout` cannot be computed here (None: they can)."""
+    if layout.bits != 4 or layout.group_size != 64:
+        return f"the host expert kernel computes Q4 records of group 64, not {layout.precision}"
+    lib = _library()
+    return lib if isinstance(lib, str) else None
+
+
+def expert_group(x: torch.Tensor, records: list[int], layout: RecordLayout, spans: list[tuple[int, int]],
+                 order: torch.Tensor, top_k: int, threads: int | None = None) -> torch.Tensor:
+    """Experts j (Q4 record at host address records[j]) over their routing entries order[spans[j][0]:spans[j][1]]
+    (flat row * top_k + k) of x [T, H] on the host -> their unweighted outputs [entries, H] in x's dtype, in the
+    entries' order (expert by expert). `threads`: OpenMP threads (default: torch's)."""
+    lib = _library()
+    assert not isinstance(lib, str), lib
+    hidden, inter = layout.hidden_size, layout.intermediate_size
+    entries = torch.cat([order[a:b] for a, b in spans]) if spans else order[:0]
+    m = entries.shape[0]
+    rows = x[entries // top_k].float().view(m, hidden // 64, 8, 4, 2)
+    xsum = rows.sum((-1, -2, -3))
+    rows = rows.permute(0, 1, 3, 4, 2).contiguous()  # lane order (host_experts.c)
+    bounds = [0]
+    for a, b in spans:
+        bounds.append(bounds[-1] + b - a)
+    spans_t = torch.tensor(bounds, dtype=torch.int64)
+    records_t = torch.tensor(records, dtype=torch.uint64)
+    offsets = torch.tensor([layout.field(f).offset for f in FIELDS], dtype=torch.int64)
+    gate, up, h = torch.empty(m, inter), torch.empty(m, inter), torch.empty(m, inter)
+    hsum, y = torch.empty(m, inter // 64), torch.empty(m, hidden)
+    lib.q4_experts(rows.data_ptr(), xsum.data_ptr(), spans_t.data_ptr(), records_t.data_ptr(), len(records), hidden,
+                   inter, offsets.data_ptr(), threads or torch.get_num_threads(), *(t.data_ptr() for t in (
+                       gate, up, h, hsum, y)))
+    return y.to(x.dtype)
+
+
+def random_records(layout: RecordLayout, n: int) -> list[torch.Tensor]:
+    """`n` records of random codes with scales and biases of a real model's size (timing: no NaN, no denormals)."""
+    records = []
+    for _ in range(n):
+        record = torch.randint(0, 256, (layout.stride,), dtype=torch.uint8)
+        v = layout.views(record)
+        for p in ("gate", "up", "down"):
+            v[f"{p}_s"].copy_(torch.rand(v[f"{p}_s"].shape) * 1e-3 + 1e-3)
+            v[f"{p}_b"].copy_(-8 * v[f"{p}_s"].float())
+        records.append(record)
+    return records
