@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,6 +45,13 @@ class HostCompute:
         if self.reason is None:
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="moestream-cpu-experts")
             self.rates = self._calibrate() if mode == "auto" else None
+        elif mode != "off":
+            warnings.warn(f"--cpu-experts {mode} is off: {self.reason}", stacklevel=2)
+
+    def describe(self) -> dict:
+        """For the stats: the mode, why it is off where it cannot run, the rates the cost model measured."""
+        rates = None if self.rates is None else {k: round(v * 1e6, 1) for k, v in vars(self.rates).items()}
+        return {"mode": self.mode, "off_because": None if self.mode == "off" else self.reason, "rates_us": rates}
 
     def _unavailable(self) -> str | None:
         if self.mode == "off":

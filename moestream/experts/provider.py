@@ -151,6 +151,7 @@ class ExpertProvider:
         snap["pool"] = {"slots": res.pool.num_slots, "resident": res.pool.resident, "ring_slots": res.pool.ring_slots,
                         "stride": res.pool.stride, "precision": res.base, "miss_precision": res.miss,
                         "host_slots": res.host.capacity if res.host else 0}
+        snap["cpu_experts"] = self.host_compute.describe()
         return snap
 
     @property

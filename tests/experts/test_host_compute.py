@@ -1,6 +1,7 @@
 """Ring misses computed on the host CPU (--cpu-experts): the same greedy tokens as copying them, logits within
 the CPU kernel's rounding, and the cost model's choice."""
 
+import pytest
 import torch
 
 from moestream.engine.llm import LLM
@@ -42,6 +43,7 @@ def test_auto_measures_its_rates(tiny):
     try:
         rates = llm.provider.host_compute.rates
         assert rates.copy_s > 0 and rates.fixed_s + rates.per_row_s > 0
+        assert llm.stats()["cpu_experts"]["rates_us"]["copy_s"] > 0
     finally:
         llm.close()
 
@@ -59,5 +61,14 @@ def test_the_cpu_takes_the_least_used_misses_while_it_ends_first(tiny):
         assert compute.choose(0, g, [None] * 4, set()) == [1, 2]
         assert compute.choose(0, g, [None] * 4, {rid(0, 1)}) == [2]  # 1's record is on its way to the ring
         assert compute.choose(0, g, [None, 5, None, None], set()) == [2]  # 1 is resident: 0 would end last
+    finally:
+        llm.close()
+
+
+def test_without_a_host_tier_it_says_why_it_is_off(tiny):
+    with pytest.warns(UserWarning, match="--cpu-experts auto is off: no host tier"):
+        llm = LLM(tiny.store("qwen3_moe"), device="cpu", dtype="float32", cpu_experts="auto")
+    try:
+        assert llm.stats()["cpu_experts"]["off_because"] == "no host tier"
     finally:
         llm.close()
