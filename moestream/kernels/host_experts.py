@@ -1,8 +1,9 @@
 """Q4 experts on the host CPU, from records in host memory (the host tier): host_experts.c, built at first use
 with the system's C compiler (`cc -O3 -march=native -fopenmp`) into the user's cache and called through ctypes,
 which releases the GIL, so the caller's thread keeps feeding the GPU meanwhile. Its torch reference is
-`reference.expert_group`; its arithmetic is its own (fp32 sums in another order than the GPU kernels'), so a row
-computed here differs from the GPU's in its last bits.
+`reference.expert_group`. Weights are dequantized to bf16 and activations taken in bf16, as the GPU's prefill
+kernel does, but its fp32 sums run in another order, so a row computed here differs from the GPU's in its last
+bits.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def _library() -> ctypes.CDLL | str:
         os.replace(tmp, path)  # atomic: another process may be building the same file
     lib = ctypes.CDLL(path)
     lib.q4_experts.restype = None
-    lib.q4_experts.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + \
-        [ctypes.c_void_p] * 5
+    lib.q4_experts.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + \
+        [ctypes.c_void_p] * 4
     return lib
 
 
@@ -79,8 +80,7 @@ def expert_group(x: torch.Tensor, records: list[int], layout: RecordLayout, span
     hidden, inter = layout.hidden_size, layout.intermediate_size
     entries = torch.cat([order[a:b] for a, b in spans]) if spans else order[:0]
     m = entries.shape[0]
-    rows = x[entries // top_k].float().view(m, hidden // 64, 8, 4, 2)
-    xsum = rows.sum((-1, -2, -3))
+    rows = x[entries // top_k].to(torch.bfloat16).view(m, hidden // 64, 8, 4, 2)
     rows = rows.permute(0, 1, 3, 4, 2).contiguous()  # lane order (host_experts.c)
     bounds = [0]
     for a, b in spans:
@@ -88,11 +88,10 @@ def expert_group(x: torch.Tensor, records: list[int], layout: RecordLayout, span
     spans_t = torch.tensor(bounds, dtype=torch.int64)
     records_t = torch.tensor(records, dtype=torch.uint64)
     offsets = torch.tensor([layout.field(f).offset for f in FIELDS], dtype=torch.int64)
-    gate, up, h = torch.empty(m, inter), torch.empty(m, inter), torch.empty(m, inter)
-    hsum, y = torch.empty(m, inter // 64), torch.empty(m, hidden)
-    lib.q4_experts(rows.data_ptr(), xsum.data_ptr(), spans_t.data_ptr(), records_t.data_ptr(), len(records), hidden,
-                   inter, offsets.data_ptr(), threads or torch.get_num_threads(), *(t.data_ptr() for t in (
-                       gate, up, h, hsum, y)))
+    gate, up, h = torch.empty(m, inter), torch.empty(m, inter), torch.empty(m, inter, dtype=torch.bfloat16)
+    y = torch.empty(m, hidden)
+    lib.q4_experts(rows.data_ptr(), spans_t.data_ptr(), records_t.data_ptr(), len(records), hidden, inter,
+                   offsets.data_ptr(), threads or torch.get_num_threads(), *(t.data_ptr() for t in (gate, up, h, y)))
     return y.to(x.dtype)
 
 
