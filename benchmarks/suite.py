@@ -147,7 +147,12 @@ def stage_moestream(args) -> list[dict]:
         if args.modes in ("all", "q4"):
             modes += [("moestream", {}, frac, host) for frac in args.pools
                       for host in (args.tiers if frac < 1 else [False])]
-            modes += [(f"moestream, cpu experts {m}", dict(cpu_experts=m), 0.25, True) for m in args.cpu_experts]
+            capped = [("", {})] + ([(f", copies {args.copy_gbps:g} GB/s", dict(copy_gbps=args.copy_gbps))]
+                                   if args.copy_gbps else [])
+            for suffix, cap in capped:  # issue 34: the host CPU's share, at this link's rate and at a slower one
+                modes += [(f"moestream{suffix}", cap, 0.25, True)] if suffix else []
+                modes += [(f"moestream, cpu experts {m}{suffix}", dict(cpu_experts=m) | cap, 0.25, True)
+                          for m in args.cpu_experts]
             if name == "qwen3-30b" and args.pools == list(POOLS):  # the ring's A/B belongs to the full suite
                 modes += [(engine, opts, 0.25, True) for engine, opts in RING]
         if name == "qwen3-30b" and args.modes in ("all", "low-bit"):
@@ -231,6 +236,8 @@ def main() -> None:
     p.add_argument("--tiers", default="disk,host", help="moestream stage: below the pool, disk and/or host")
     p.add_argument("--cpu-experts", default="", help="moestream stage: pool 25%% + host tier rows with --cpu-experts "
                    "MODE for each MODE listed (auto,all)")
+    p.add_argument("--copy-gbps", type=float, help="moestream stage: the 25%% pool + host tier rows again with ring "
+                   "copies capped at this rate (a slower link)")
     args = p.parse_args()
     args.cpu_experts = [m for m in args.cpu_experts.split(",") if m]
     args.pools = [float(f) for f in args.pools.split(",")]
