@@ -1,11 +1,14 @@
 """Ring misses computed on the host CPU (`--cpu-experts`): records the host tier holds are multiplied where they
-lie (kernels/host_experts.py) while the GPU streams and computes the rest; their outputs are joined into the
-step's before the combine (a `RemoteExperts` part, the last of the step).
+lie while the GPU streams and computes the rest. A ring step yields a `HostExperts` part first (the kernels start
+the CPU on it) and last a `RemoteExperts` part that joins its outputs into the step's before the combine.
 
 The cost model is measured once, when the provider is made: the copy of one record to the device (what the ring
-pays per miss) and the CPU's time per expert, t(rows) = fixed + per_row * rows, from 1- and 16-row runs over a
-few records. A ring step then gives the CPU its least-used misses for as long as the CPU's share ends before the
-copies of the rest would. "all" gives it every eligible miss (tests; timing the CPU path alone).
+pays per miss) and the CPU's time per expert, t(rows) = fixed + per_row * rows (the host kernel's own `measure`);
+what the CPU then takes on real steps, beside the GPU's work, scales it (a moving average). A ring step gives the
+CPU its least-used misses for as long as the CPU's share ends before the copies of the rest would. "all" gives it
+every eligible miss (tests; timing the CPU path alone). The kernel comes in from the engine (`kernel`: a module
+with `unavailable(layout)` and `measure(layout, threads)`, kernels/host_experts.py), as experts/ does not import
+kernels/.
 """
 
 from __future__ import annotations
@@ -13,14 +16,12 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from moestream.experts.grouping import Grouping, RemoteExperts
+from moestream.experts.grouping import Grouping, HostExperts, RemoteExperts
 from moestream.experts.residency import Residency
-from moestream.kernels import host_experts
 
 CALIBRATION_RECORDS = 4
 
@@ -35,23 +36,27 @@ class HostRates:
         return self.fixed_s + self.per_row_s * rows
 
 
-class HostCompute:
-    def __init__(self, residency: Residency, mode: str):
-        self.res, self.mode = residency, mode
-        self.layout = residency.layouts[residency.miss]
-        self.reason = self._unavailable()
-        self.rates: HostRates | None = None
-        self.threads = max(1, len(os.sched_getaffinity(0)) - 2)  # the caller's thread and the copies' keep a core
-        if self.reason is None:
-            self.worker = ThreadPoolExecutor(1, thread_name_prefix="moestream-cpu-experts")
-            self.rates = self._calibrate() if mode == "auto" else None
-        elif mode != "off":
-            warnings.warn(f"--cpu-experts {mode} is off: {self.reason}", stacklevel=2)
+def _packed(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`spans` moved back to back from 0, in their order."""
+    out, at = [], 0
+    for a, b in spans:
+        out.append((at, at + b - a))
+        at += b - a
+    return out
 
-    def describe(self) -> dict:
-        """For the stats: the mode, why it is off where it cannot run, the rates the cost model measured."""
-        rates = None if self.rates is None else {k: round(v * 1e6, 1) for k, v in vars(self.rates).items()}
-        return {"mode": self.mode, "off_because": None if self.mode == "off" else self.reason, "rates_us": rates}
+
+class HostCompute:
+    def __init__(self, residency: Residency, mode: str, kernel=None):
+        self.res, self.mode, self.kernel = residency, mode, kernel
+        self.layout = residency.layouts[residency.miss]
+        self.rates: HostRates | None = None
+        self.slowdown = 1.0  # the CPU's measured time over the model's, on real steps (a moving average)
+        self.threads = max(1, len(os.sched_getaffinity(0)) - 2)  # the caller's thread and the copies' keep a core
+        self.reason = self._unavailable()
+        if self.reason is None and mode == "auto":
+            self.rates = HostRates(self._copy_seconds(), *kernel.measure(self.layout, self.threads))
+        elif self.reason is not None and mode != "off":
+            warnings.warn(f"--cpu-experts {mode} is off: {self.reason}", stacklevel=2)
 
     def _unavailable(self) -> str | None:
         if self.mode == "off":
@@ -61,7 +66,15 @@ class HostCompute:
             return "no host tier"
         if host.capacity < self.res.geometry.num_records:  # a record the CPU reads must not be evicted meanwhile
             return "the host tier does not hold every record"
-        return host_experts.unavailable(self.layout)
+        if self.kernel is None:
+            return "no host kernel"
+        return self.kernel.unavailable(self.layout)
+
+    def describe(self) -> dict:
+        """For the stats: the mode, why it is off where it cannot run, the rates the cost model measured."""
+        rates = None if self.rates is None else {k: round(v * 1e6, 1) for k, v in vars(self.rates).items()}
+        return {"mode": self.mode, "off_because": None if self.mode == "off" else self.reason, "rates_us": rates,
+                "slowdown": round(self.slowdown, 2)}
 
     def choose(self, layer: int, g: Grouping, hits: list[int | None], early: set[int]) -> list[int]:
         """The step's experts (indices into `g`) the CPU computes: misses in the host tier whose record was not
@@ -76,73 +89,52 @@ class HostCompute:
             return sorted(eligible)
         rates, chosen, cpu_s = self.rates, [], 0.0
         for j in eligible:
-            after = cpu_s + rates.cpu_s(g.counts[j])
+            after = cpu_s + rates.cpu_s(g.counts[j]) * self.slowdown
             if after > (len(misses) - len(chosen) - 1) * rates.copy_s:
                 break
             chosen.append(j)
             cpu_s = after
         return sorted(chosen)
 
-    def start(self, layer: int, g: Grouping, index: list[int], x: torch.Tensor, top_k: int) -> RemoteExperts:
-        """Starts the CPU on experts `index` of `g` for activations x [T, H]; the part joins their outputs."""
+    def start(self, layer: int, g: Grouping, index: list[int], x: torch.Tensor, top_k: int
+              ) -> tuple[HostExperts, RemoteExperts]:
+        """The CPU's part for experts `index` of `g` (activations x [T, H]), and the part joining its outputs. Their
+        rows go to the host asynchronously: the GPU's batches are enqueued meanwhile."""
         host, geometry = self.res.host, self.res.geometry
         slots = [host.slot_of[self.res.miss, geometry.rid(layer, g.experts[j])] for j in index]
-        waits = [host.last_job[s] for s in slots]  # a fill still under way
-        records = [host.buffer.data_ptr() + s * host.stride for s in slots]
         spans = [(g.offsets[j], g.offsets[j + 1]) for j in index]
-        order = g.order.cpu()
         entries = torch.cat([g.order[a:b] for a, b in spans])
-        x_host = x.to("cpu")
-
-        def job() -> torch.Tensor:
-            for w in waits:
-                if w is not None:
-                    w.result()
-            return host_experts.expert_group(x_host, records, self.layout, spans, order, top_k, self.threads)
-
-        future: Future = self.worker.submit(job)
+        rows = x.index_select(0, entries // top_k)
+        cuda = rows.is_cuda
+        rows_host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=cuda).copy_(rows, non_blocking=cuda)
+        landed = self.res.device.event()
+        landed.record()
+        part = HostExperts([host.buffer.data_ptr() + s * host.stride for s in slots], _packed(spans), rows_host,
+                           landed, [host.last_job[s] for s in slots], self.layout, self.threads)
+        predicted = sum(self.rates.cpu_s(b - a) for a, b in spans) if self.rates else 0.0
         stats = self.res.stats.at(layer, self.res.miss)
         stats.cpu_records += len(index)
-        stats.cpu_entries += sum(b - a for a, b in spans)
+        stats.cpu_entries += entries.shape[0]
 
         def join(out: torch.Tensor) -> None:
-            out.index_copy_(0, entries, future.result().to(out.device))
+            y = part.future.result()
+            if predicted:  # the CPU's rate beside the GPU's work, not alone: the model follows what it sees
+                self.slowdown = 0.8 * self.slowdown + 0.2 * part.seconds / predicted
+            out.index_copy_(0, entries, y.to(out.device, non_blocking=cuda))
 
-        return RemoteExperts(join)
+        return part, RemoteExperts(join)
 
-    def _calibrate(self) -> HostRates:
-        """The copy of a record to the device and the CPU's time per expert, each the best of three runs."""
-        layout, device = self.layout, self.res.device.device
+    def _copy_seconds(self) -> float:
+        """The copy of a record to the device, the best of three runs over a few."""
+        device = self.res.device.device
         source = self.res.host.buffer[:CALIBRATION_RECORDS]
-        records = host_experts.random_records(layout, CALIBRATION_RECORDS)
         target = torch.empty_like(source, device=device)
-
-        def copy() -> None:
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
             target.copy_(source, non_blocking=True)
             self.res.fetcher.throttle(source.numel())  # a capped link (benchmarks) as the ring sees it
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-
-        def cpu(rows: int):
-            x = torch.randn(rows * CALIBRATION_RECORDS, layout.hidden_size, dtype=torch.bfloat16)
-            spans = [(j * rows, (j + 1) * rows) for j in range(CALIBRATION_RECORDS)]
-            ptrs = [r.data_ptr() for r in records]
-            return lambda: host_experts.expert_group(x, ptrs, layout, spans, torch.arange(x.shape[0]), 1,
-                                                     self.threads)
-
-        def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            return min(times) / CALIBRATION_RECORDS
-
-        one, many = best(cpu(1)), best(cpu(16))
-        per_row = max(0.0, (many - one) / 15)
-        return HostRates(best(copy), max(0.0, one - per_row), per_row)
-
-    def close(self) -> None:
-        if self.reason is None:
-            self.worker.shutdown(wait=True)
+            times.append(time.perf_counter() - start)
+        return min(times[1:]) / CALIBRATION_RECORDS

@@ -49,16 +49,17 @@ class ExpertStep:
 
 class ExpertProvider:
     def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int, reserved: int = 0,
-                 shard: Shard | None = None):
+                 shard: Shard | None = None, host_kernel=None):
         """`reserved`: GPU bytes other parts take later, which a pool sized from free memory leaves them. `shard`
-        (experts/sharding.py): this rank's share of the experts, the only ones it is asked for and preloads."""
+        (experts/sharding.py): this rank's share of the experts, the only ones it is asked for and preloads.
+        `host_kernel`: the host CPU's expert kernel for `--cpu-experts` (host_compute.py)."""
         self.cfg, self.top_k, self.shard = cfg, top_k, shard
         self.residency = res = Residency(store, cfg, device, top_k, reserved)
         self.geometry, self.layout, self.pool, self.stats = res.geometry, res.layouts[res.base], res.pool, res.stats
         self.keep = shard.keep(self.geometry.num_experts, device) if shard else None
         keep = None if shard is None else self.keep.tolist()
         self.decode = DecodePath(res, top_k, cfg.lookahead, keep)
-        self.host_compute = HostCompute(res, cfg.cpu_experts)
+        self.host_compute = HostCompute(res, cfg.cpu_experts, host_kernel)
         self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead, keep, self.host_compute)
         self.addresses = AddressTable(res, keep)
         self._scratch, self._held = None, None
@@ -159,5 +160,4 @@ class ExpertProvider:
         return self.residency.io_note
 
     def close(self) -> None:
-        self.host_compute.close()
         self.residency.close()

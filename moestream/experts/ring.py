@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.experts.grouping import ExpertBatch, Grouping, RemoteExperts, batch_of
+from moestream.experts.grouping import ExpertBatch, Grouping, HostExperts, RemoteExperts, batch_of
 from moestream.experts.host_compute import HostCompute
 from moestream.experts.residency import Residency
 from moestream.experts.ring_plan import plan_ring
@@ -37,8 +37,9 @@ class RingPath:
         self.group = min(ring_group, residency.pool.ring_slots)  # a batch's copies go out together: one a slot
 
     def batches(self, layer: int, g: Grouping, ahead: RingAhead | None, x: torch.Tensor
-                ) -> Generator[ExpertBatch | RemoteExperts, None, RingAhead]:
-        """Yields the layer's batches, and last the part joining what the host CPU computed; returns the fetches
+                ) -> Generator[ExpertBatch | HostExperts | RemoteExperts, None, RingAhead]:
+        """Yields the layer's batches, with the host CPU's part first and the part joining its outputs last; returns
+        the fetches
         started early for the next layer (or None). x [T, H]: the layer's activations."""
         res, pool, geometry = self.res, self.res.pool, self.res.geometry
         res.stats.at(layer, res.base).prefill_steps += 1
@@ -51,7 +52,9 @@ class RingPath:
         guesses = ahead.fetches if ahead is not None and ahead.layer == layer else {}
         on_cpu = self.host_compute.choose(layer, g, hits, {rid for rid, _ in guesses.values()}) \
             if self.host_compute is not None else []
-        cpu_part = self.host_compute.start(layer, g, on_cpu, x, res.top_k) if on_cpu else None
+        cpu_parts = self.host_compute.start(layer, g, on_cpu, x, res.top_k) if on_cpu else None
+        if cpu_parts is not None:
+            yield cpu_parts[0]  # the CPU starts before the GPU's batches are enqueued
         plan = plan_ring(g.counts, rids, hits, [w is None or w.done() for w in waits], idle, spare, room, share,
                          pool.ring_slot(0), pool.ring_slots, self.group, {r: rid for r, (rid, _) in guesses.items()},
                          frozenset(on_cpu))
@@ -88,8 +91,8 @@ class RingPath:
                     prof["compute"].append((begin, res.profiler.mark()))
             res.done([plan.slots[j] for j in idx])
             submit_ready(b)
-        if cpu_part is not None:
-            yield cpu_part
+        if cpu_parts is not None:
+            yield cpu_parts[1]
         res.profiler.end(prof)
         return self.speculate(layer + 1, len(g.order))
 

@@ -16,10 +16,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from moestream.experts.format import RecordLayout
+from moestream.experts.grouping import HostExperts
 
 SOURCE = os.path.join(os.path.dirname(__file__), "host_experts.c")
 FIELDS = ("gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b", "down_w", "down_s", "down_b")
@@ -106,3 +109,46 @@ def random_records(layout: RecordLayout, n: int) -> list[torch.Tensor]:
             v[f"{p}_b"].copy_(-8 * v[f"{p}_s"].float())
         records.append(record)
     return records
+
+
+@functools.cache
+def _worker() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="moestream-cpu-experts")
+
+
+def submit(part: HostExperts) -> None:
+    """Start the CPU on `part` (in a worker thread: the caller goes on enqueueing GPU work); sets part.future, whose
+    result is the outputs [M, H] in pinned memory where the rows were pinned."""
+    def job() -> torch.Tensor:
+        for wait in part.waits:
+            if wait is not None:
+                wait.result()
+        part.landed.synchronize()
+        begin = time.perf_counter()
+        rows = part.rows
+        y = expert_group(rows, part.records, part.layout, part.spans, torch.arange(rows.shape[0]), 1, part.threads)
+        part.seconds = time.perf_counter() - begin
+        return y.pin_memory() if rows.is_pinned() else y
+
+    part.future = _worker().submit(job)
+
+
+def measure(layout: RecordLayout, threads: int, records: int = 4) -> tuple[float, float]:
+    """The CPU's time per expert of `layout` as (fixed seconds, seconds per row), from 1- and 16-row runs over
+    `records` random records at once, each the best of three."""
+    recs = random_records(layout, records)
+    ptrs = [r.data_ptr() for r in recs]
+
+    def per_expert(rows: int) -> float:
+        x = torch.randn(rows * records, layout.hidden_size, dtype=torch.bfloat16)
+        spans = [(j * rows, (j + 1) * rows) for j in range(records)]
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            expert_group(x, ptrs, layout, spans, torch.arange(x.shape[0]), 1, threads)
+            times.append(time.perf_counter() - start)
+        return min(times[1:]) / records
+
+    one, many = per_expert(1), per_expert(16)
+    per_row = max(0.0, (many - one) / 15)
+    return max(0.0, one - per_row), per_row
