@@ -147,12 +147,6 @@ def stage_moestream(args) -> list[dict]:
         if args.modes in ("all", "q4"):
             modes += [("moestream", {}, frac, host) for frac in args.pools
                       for host in (args.tiers if frac < 1 else [False])]
-            capped = [("", {})] + ([(f", copies {args.copy_gbps:g} GB/s", dict(copy_gbps=args.copy_gbps))]
-                                   if args.copy_gbps else [])
-            for suffix, cap in capped:  # issue 34: the host CPU's share, at this link's rate and at a slower one
-                modes += [(f"moestream{suffix}", cap, 0.25, True)] if suffix else []
-                modes += [(f"moestream, cpu experts {m}{suffix}", dict(cpu_experts=m) | cap, 0.25, True)
-                          for m in args.cpu_experts]
             if name == "qwen3-30b" and args.pools == list(POOLS):  # the ring's A/B belongs to the full suite
                 modes += [(engine, opts, 0.25, True) for engine, opts in RING]
         if name == "qwen3-30b" and args.modes in ("all", "low-bit"):
@@ -165,8 +159,8 @@ def stage_moestream(args) -> list[dict]:
             ring = llm.engine_config.expert
             base = {"model": name, "engine": engine, "pool": frac, "host_tier": host,
                     "ring_lookahead": ring.ring_lookahead, "ring_group": ring.ring_group}
-            scenarios = RING_SCENARIOS if "ring" in engine else LOW_BIT_SCENARIOS if " q" in engine else SCENARIOS
-            runs += _measure(llm, base, per_token, dense, scenarios)
+            runs += _measure(llm, base, per_token, dense, SCENARIOS if engine == "moestream"
+                             else RING_SCENARIOS if "ring" in engine else LOW_BIT_SCENARIOS)
             mode = f"{name}/{engine}, pool {frac:.0%}, {'host tier' if host else 'disk only'}"
             args.save(runs, {mode: hit_rates(llm.stats()["layers"])})  # a call stopped by its limit keeps these
             llm.close()
@@ -234,12 +228,7 @@ def main() -> None:
     p.add_argument("--tokenizer", help="llamacpp stage: Qwen3's tokenizer.json (or .json.gz) for the GGUF")
     p.add_argument("--pools", default=",".join(map(str, POOLS)), help="moestream stage: pool fractions (%(default)s)")
     p.add_argument("--tiers", default="disk,host", help="moestream stage: below the pool, disk and/or host")
-    p.add_argument("--cpu-experts", default="", help="moestream stage: pool 25%% + host tier rows with --cpu-experts "
-                   "MODE for each MODE listed (auto,all)")
-    p.add_argument("--copy-gbps", type=float, help="moestream stage: the 25%% pool + host tier rows again with ring "
-                   "copies capped at this rate (a slower link)")
     args = p.parse_args()
-    args.cpu_experts = [m for m in args.cpu_experts.split(",") if m]
     args.pools = [float(f) for f in args.pools.split(",")]
     args.tiers = [{"disk": False, "host": True}[t] for t in args.tiers.split(",")]
     args.out = args.out or out_dir("suite")

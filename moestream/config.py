@@ -367,9 +367,6 @@ def _finite(value: float | None) -> bool:
     return value is None or math.isfinite(value)
 
 
-CPU_EXPERTS = ("off", "auto", "all")
-
-
 @dataclass(frozen=True)
 class ExpertConfig:
     """How routed experts are kept and streamed (DESIGN.md section 3)."""
@@ -389,10 +386,6 @@ class ExpertConfig:
     fake_reads: bool = False  # benchmarks: skip disk reads and copies to time the GPU path alone (slots hold garbage)
     io_timeout_s: float = 30.0
     profile: bool = False  # benchmarks: CUDA events per prefill layer (copy, compute and wall time) in the stats
-    # ring steps' misses computed on the host CPU from the host tier when its cost model says that is sooner than
-    # copying them ("auto"; experts/host_compute.py), never ("off"), or every one it can ("all": tests, timings)
-    cpu_experts: str = "off"
-    copy_gbps: float | None = None  # benchmarks: ring copies from host memory capped at this rate (a slower link)
 
     def __post_init__(self):
         _check(self.precision in (None, *PRECISIONS), f"expert precision {self.precision!r}: choose 4, 3, 2 or 16")
@@ -405,8 +398,6 @@ class ExpertConfig:
         _check(self.prefill_min_rows >= 1 and self.read_threads >= 1 and self.staging_records >= 1,
                "prefill_min_rows, read_threads and staging_records must be >= 1")
         _check(_finite(self.io_timeout_s) and self.io_timeout_s > 0, "io_timeout_s must be a number > 0")
-        _check(self.copy_gbps is None or (_finite(self.copy_gbps) and self.copy_gbps > 0), "copy_gbps must be > 0")
-        _check(self.cpu_experts in CPU_EXPERTS, f"--cpu-experts {self.cpu_experts!r}: choose {', '.join(CPU_EXPERTS)}")
 
 
 @dataclass(frozen=True)

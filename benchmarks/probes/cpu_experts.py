@@ -1,9 +1,8 @@
 """What one 30B expert costs on this host's CPU (issue 34's CPU expert path), against its PCIe copy.
 
 For rows 1..256 of one Q4 record: the reference (dequantize to bf16, three matmuls), torch's CPU int4 GEMM
-(`_weight_int4pack_mm_for_cpu`, after repacking the record's codes into its blocked layout, timed apart), a
-bf16 matmul of weights already dequantized, and moestream's host kernel (kernels/host_experts.py) over 16 records
-at once, per expert.
+(`_weight_int4pack_mm_for_cpu`, after repacking the record's codes into its blocked layout, timed apart), and a
+bf16 matmul of weights already dequantized (what a fused dequantizing kernel could reach at best).
 
 python -m benchmarks.probes.cpu_experts [--rows 1,8,32,128,256] [--threads N]
 """
@@ -19,8 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from moestream.experts.format import RecordLayout
-from moestream.kernels import host_experts
-from moestream.kernels.host_experts import random_records
 from moestream.kernels.reference import expert_weights
 from moestream.quant.affine import unpack_codes
 
@@ -33,6 +30,15 @@ def _time(fn, reps: int = 5) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def _record(layout: RecordLayout) -> torch.Tensor:
+    record = torch.randint(0, 256, (layout.stride,), dtype=torch.uint8)
+    v = layout.views(record)
+    for p in ("gate", "up", "down"):  # finite scales and biases of the synthetic store's size
+        v[f"{p}_s"].copy_(torch.rand(v[f"{p}_s"].shape) * 1e-3 + 1e-3)
+        v[f"{p}_b"].copy_(-8 * v[f"{p}_s"].float())
+    return record
+
+
 def _int4pack(record: torch.Tensor, layout: RecordLayout):
     """(packed weight, scales_and_zeros) per projection for torch's CPU int4 GEMM: w = (q - 8) * s + z, so z =
     bias + 8 s (rounded to bf16: not the records' bits)."""
@@ -43,13 +49,6 @@ def _int4pack(record: torch.Tensor, layout: RecordLayout):
         s, b = v[f"{p}_s"].float(), v[f"{p}_b"].float()
         out.append((packed, torch.stack([s, b + 8 * s], -1).transpose(0, 1).contiguous().to(torch.bfloat16)))
     return out
-
-
-def _ours(x: torch.Tensor, records: list[torch.Tensor], layout: RecordLayout):
-    """The host kernel over `records`, x's rows split evenly between them."""
-    rows, ptrs = x.shape[0] // len(records), [r.data_ptr() for r in records]
-    spans = [(j * rows, (j + 1) * rows) for j in range(len(records))]
-    return lambda: host_experts.expert_group(x, ptrs, layout, spans, torch.arange(x.shape[0]), 1)
 
 
 def main() -> None:
@@ -66,8 +65,7 @@ def main() -> None:
     print("flags:", " ".join(f for f in flags.split() if f.startswith(("avx512", "amx", "avx2", "avx_vnni"))))
     print("torch threads", torch.get_num_threads(), "capability", torch.backends.cpu.get_cpu_capability())
     layout = RecordLayout.build("q4", 2048, 768)
-    many = random_records(layout, 16)
-    record = many[0]
+    record = _record(layout)
     weights = expert_weights(record, layout, torch.bfloat16)
     repack = _time(lambda: _int4pack(record, layout), 3)
     packed = _int4pack(record, layout)
@@ -92,10 +90,6 @@ def main() -> None:
         row = {"rows": rows, "bf16_mm_us": round(_time(bf16) * 1e6), "int4_mm_us": round(_time(int4) * 1e6),
                "int4_vs_bf16_err": float(err)}
         row["gflops_int4"] = round(rows * 3 * 2 * 2048 * 768 / (row["int4_mm_us"] * 1e3), 1)
-        if host_experts.unavailable(layout) is None:  # ours, over 16 experts at once (per expert)
-            us = _time(_ours(x.repeat(len(many), 1), many, layout)) / len(many)
-            row |= {"host_us": round(us * 1e6, 1), "host_gb_s": round(layout.stride / us / 1e9, 1),
-                    "host_gflops": round(rows * 3 * 2 * 2048 * 768 / us / 1e9, 1)}
         print(json.dumps(row))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moestream.config import CPU_EXPERTS, DECODE_MODES, MAX_BATCH, MAX_DRAFTS, MAX_GPUS, SPECULATION, EngineConfig
+from moestream.config import DECODE_MODES, MAX_BATCH, MAX_DRAFTS, MAX_GPUS, SPECULATION, EngineConfig
 
 DEFAULTS = EngineConfig()
 
@@ -28,9 +28,6 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
                    help="expert precision (default: what the store holds, 4-bit first)")
     p.add_argument("--miss-experts", type=int, choices=[3, 2],
                    help="with --experts 4: fetch demand and ring misses at 3 or 2 bits (pool fills stay 4-bit)")
-    p.add_argument("--cpu-experts", choices=CPU_EXPERTS,
-                   help="prefill: compute some host-tier misses on the CPU where a cost model measured at load says "
-                        f"that beats copying them to the GPU; their last bits differ (default {e.cpu_experts})")
     p.add_argument("--ring", type=int, dest="ring_slots", help=f"prefill ring slots (default {e.ring_slots})")
     p.add_argument("--group", type=int, dest="ring_group", help=f"experts per ring batch (default {e.ring_group})")
     p.add_argument("--no-lookahead", action="store_false", dest="lookahead", default=None,
@@ -63,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
 
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",
-               "cpu_experts", "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "prefill_chunk",
+               "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "prefill_chunk",
                "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch", "gpus")
 
 

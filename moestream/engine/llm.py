@@ -30,7 +30,6 @@ from moestream.engine.stream import RequestOutput, TextStream
 from moestream.errors import BudgetError, ConfigError, MoestreamError, RequestError
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
-from moestream.kernels import host_experts
 from moestream.layers.context import StepContext
 from moestream.models import model_class
 from moestream.sampling import SamplingParams
@@ -105,8 +104,7 @@ class LLM:
         # memory leaves them room
         later = (self.max_batch - 1) * state_bytes(self.model, self.dtype, cfg.max_context) if cuda else 0
         provider = self.ranks.provider if self.ranks else ExpertProvider
-        self.provider = provider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok, later,
-                                 host_kernel=host_experts)
+        self.provider = provider(self.store, cfg.expert, self.device, self.config.num_experts_per_tok, later)
         for block in self.model.moe_blocks(mtp=True):
             block.provider = self.provider
         self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})

@@ -21,7 +21,7 @@ from moestream.errors import MoestreamError
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.sharding import CALL, STOP, Shard, ShardedProvider, header, join
 from moestream.experts.store import open_store
-from moestream.kernels import host_experts, ops
+from moestream.kernels import ops
 
 # NVLink multicast stays off, in every process: a program using it can take a shared host's GPUs out of service
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -86,8 +86,7 @@ def _rank_main(store: str, cfg: EngineConfig, device_type: str, rank: int, world
                hidden_size: int, top_k: int, dtype: torch.dtype) -> None:
     control = _init(device_type, rank, world, address)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    provider = ExpertProvider(open_store(store), cfg.expert, device, top_k, shard=Shard(rank, world),
-                              host_kernel=host_experts)
+    provider = ExpertProvider(open_store(store), cfg.expert, device, top_k, shard=Shard(rank, world))
     try:
         with torch.inference_mode():
             serve(provider, control, device, hidden_size, top_k, dtype)

@@ -72,14 +72,8 @@ def _settled(f: Future | None) -> bool:
 
 class Fetcher:
     def __init__(self, device: Device, readers: dict[str, RecordReader], host: HostTier | None, stats: ExpertStats,
-                 threads: int, staging: int, fake: bool = False, copy_gbps: float | None = None):
-        """`copy_gbps` (benchmarks): each copy is followed on the copy stream by a spin that brings its rate down
-        to this, as on a slower link."""
+                 threads: int, staging: int, fake: bool = False):
         self.device, self.readers, self.host, self.stats, self.fake = device, readers, host, stats, fake
-        self.spin_per_byte = 0.0
-        if copy_gbps and device.cuda:  # spin for the time the capped link takes beyond this one
-            extra = max(0.0, 1 / (copy_gbps * 1e9) - 1 / device.link_rate())
-            self.spin_per_byte = extra * device.spin_rate()
         stride = max(r.stride for r in readers.values())
         self.staging = StagingPool(staging, stride, device.cuda, device) if host is None else None
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-read")
@@ -157,7 +151,6 @@ class Fetcher:
         dst0, src0, n = span
         size = dst0.shape[0]
         dst0.as_strided((n * size,), (1,)).copy_(src0.as_strided((n * size,), (1,)), non_blocking=True)
-        self.throttle(n * size)
 
     def _copy(self, r: FetchRequest, src: torch.Tensor) -> None:
         """The copy of `src` into `r.dst` on the copy stream; the caller holds the lock and the stream, and has
@@ -168,13 +161,6 @@ class Fetcher:
                 r.dst.copy_(src, non_blocking=True)
             else:
                 r.dst[:stride].copy_(src[:stride], non_blocking=True)
-            self.throttle(stride)
-
-    def throttle(self, nbytes: int) -> None:
-        """With `copy_gbps`, the copy stream spins after a copy of `nbytes` for the time a link at that rate would
-        take beyond this one's."""
-        if self.spin_per_byte:
-            torch.cuda._sleep(int(nbytes * self.spin_per_byte))
 
     def _job(self, r: FetchRequest, source: str, host_slot: int | None, host_wait: Future | None, started,
              ready) -> None:

@@ -85,26 +85,8 @@ class AddressedExperts:
     staging: HostStaging | None = None
 
 
-@dataclass
-class HostExperts:
-    """Experts the host CPU computes from host-tier records (addresses `records`) over `rows` [M, H] (their
-    entries' activations back to back, on the host once `landed` has; expert j owns rows spans[j]), after the
-    fills `waits`. Computing it starts the work and sets `future` (the outputs [M, H]) and, once done, `seconds`."""
-
-    records: list[int]
-    spans: list[tuple[int, int]]
-    rows: torch.Tensor
-    landed: object
-    waits: list
-    layout: RecordLayout
-    threads: int
-    future: object = None
-    seconds: float = 0.0
-
-
 @dataclass(frozen=True)
 class RemoteExperts:
-    """Entries computed away from this step's kernels, joined into the step's outputs by `join(out)`: other
-    ranks' (experts/sharding.py) or the host CPU's (experts/host_compute.py)."""
+    """The entries other ranks computed, summed into the step's outputs by `join(out)` (experts/sharding.py)."""
 
     join: Callable[[torch.Tensor], None]

@@ -70,34 +70,6 @@ class Device:
     def event(self, timing: bool = False):
         return torch.cuda.Event(enable_timing=timing) if self.cuda else NullEvent()
 
-    def spin_rate(self) -> float:
-        """Cycles a second of `torch.cuda._sleep`'s spin (a copy cap's unit, fetch.py); 0 on the CPU."""
-        if not self.cuda:
-            return 0.0
-        start, end, cycles = self.event(timing=True), self.event(timing=True), 10_000_000
-        with torch.cuda.device(self.device):
-            torch.cuda._sleep(1000)
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-        return cycles / (start.elapsed_time(end) / 1e3)
-
-    def link_rate(self, nbytes: int = 1 << 28) -> float:
-        """Bytes a second of a pinned host-to-device copy (best of three); 0 on the CPU."""
-        if not self.cuda:
-            return 0.0
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        start, end, best = self.event(timing=True), self.event(timing=True), float("inf")
-        for _ in range(3):
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        return nbytes / best
-
     def compute_stream(self):
         return torch.cuda.current_stream(self.device) if self.cuda else None
 

@@ -25,7 +25,6 @@ from moestream.config import ExpertConfig
 from moestream.experts.addresses import AddressTable
 from moestream.experts.decode import DecodePath
 from moestream.experts.grouping import AddressedExperts, ExpertBatch, batch_of, group_by_expert
-from moestream.experts.host_compute import HostCompute
 from moestream.experts.residency import Residency
 from moestream.experts.ring import RingAhead, RingPath
 from moestream.experts.store import Store
@@ -49,18 +48,16 @@ class ExpertStep:
 
 class ExpertProvider:
     def __init__(self, store: Store, cfg: ExpertConfig, device: torch.device, top_k: int, reserved: int = 0,
-                 shard: Shard | None = None, host_kernel=None):
+                 shard: Shard | None = None):
         """`reserved`: GPU bytes other parts take later, which a pool sized from free memory leaves them. `shard`
-        (experts/sharding.py): this rank's share of the experts, the only ones it is asked for and preloads.
-        `host_kernel`: the host CPU's expert kernel for `--cpu-experts` (host_compute.py)."""
+        (experts/sharding.py): this rank's share of the experts, the only ones it is asked for and preloads."""
         self.cfg, self.top_k, self.shard = cfg, top_k, shard
         self.residency = res = Residency(store, cfg, device, top_k, reserved)
         self.geometry, self.layout, self.pool, self.stats = res.geometry, res.layouts[res.base], res.pool, res.stats
         self.keep = shard.keep(self.geometry.num_experts, device) if shard else None
         keep = None if shard is None else self.keep.tolist()
         self.decode = DecodePath(res, top_k, cfg.lookahead, keep)
-        self.host_compute = HostCompute(res, cfg.cpu_experts, host_kernel)
-        self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead, keep, self.host_compute)
+        self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead, keep)
         self.addresses = AddressTable(res, keep)
         self._scratch, self._held = None, None
 
@@ -86,7 +83,7 @@ class ExpertProvider:
         res.pool.new_step()
         ahead, step.ahead = step.ahead, None  # good for the next layer's ring step only
         if ids.shape[0] >= self.cfg.prefill_min_rows or len(g.experts) > res.pool.num_slots:
-            step.ahead = yield from self.ring.batches(layer, g, ahead, x)
+            step.ahead = yield from self.ring.batches(layer, g, ahead)
         else:
             yield from self.decode.batches(layer, g, x)
 
@@ -152,7 +149,6 @@ class ExpertProvider:
         snap["pool"] = {"slots": res.pool.num_slots, "resident": res.pool.resident, "ring_slots": res.pool.ring_slots,
                         "stride": res.pool.stride, "precision": res.base, "miss_precision": res.miss,
                         "host_slots": res.host.capacity if res.host else 0}
-        snap["cpu_experts"] = self.host_compute.describe()
         return snap
 
     @property

@@ -45,7 +45,7 @@ class Residency:
         host_slots = max(1, int(cfg.host_gb * 1e9 // stride))
         self.host = HostTier(host_slots, stride, self.device.cuda) if cfg.host_gb else None
         self.fetcher = Fetcher(self.device, readers, self.host, self.stats, cfg.read_threads, cfg.staging_records,
-                               cfg.fake_reads, cfg.copy_gbps)
+                               cfg.fake_reads)
         self.profiler = Profiler(cfg.profile and self.device.cuda)
         self.changed = True  # pool residency changed since the address table was built (addresses.py)
         self._addressed: list[torch.Tensor] = []  # expert ids of steps read by address, not counted yet

@@ -12,10 +12,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass
 
-import torch
-
-from moestream.experts.grouping import ExpertBatch, Grouping, HostExperts, RemoteExperts, batch_of
-from moestream.experts.host_compute import HostCompute
+from moestream.experts.grouping import ExpertBatch, Grouping, batch_of
 from moestream.experts.residency import Residency
 from moestream.experts.ring_plan import plan_ring
 
@@ -29,18 +26,13 @@ class RingAhead:
 
 
 class RingPath:
-    def __init__(self, residency: Residency, ring_group: int, lookahead: bool, keep: list[bool] | None = None,
-                 host_compute: HostCompute | None = None):
-        """`keep`: by expert id, the experts this rank holds (experts/sharding.py), the only ones it fetches ahead;
-        `host_compute`: chooses misses the host CPU computes instead (host_compute.py)."""
-        self.res, self.lookahead, self.keep, self.host_compute = residency, lookahead, keep, host_compute
+    def __init__(self, residency: Residency, ring_group: int, lookahead: bool, keep: list[bool] | None = None):
+        """`keep`: by expert id, the experts this rank holds (experts/sharding.py), the only ones it fetches ahead."""
+        self.res, self.lookahead, self.keep = residency, lookahead, keep
         self.group = min(ring_group, residency.pool.ring_slots)  # a batch's copies go out together: one a slot
 
-    def batches(self, layer: int, g: Grouping, ahead: RingAhead | None, x: torch.Tensor
-                ) -> Generator[ExpertBatch | HostExperts | RemoteExperts, None, RingAhead]:
-        """Yields the layer's batches, with the host CPU's part first and the part joining its outputs last; returns
-        the fetches
-        started early for the next layer (or None). x [T, H]: the layer's activations."""
+    def batches(self, layer: int, g: Grouping, ahead: RingAhead | None) -> Generator[ExpertBatch, None, RingAhead]:
+        """Yields the layer's batches; returns the fetches started early for the next layer (or None)."""
         res, pool, geometry = self.res, self.res.pool, self.res.geometry
         res.stats.at(layer, res.base).prefill_steps += 1
         prof = res.profiler.begin(layer)
@@ -50,14 +42,8 @@ class RingPath:
         idle, spare, room, share = pool.ring_room(layer, set(g.experts), sum(s is not None for s in hits),
                                                   geometry.num_layers, geometry.num_experts)
         guesses = ahead.fetches if ahead is not None and ahead.layer == layer else {}
-        on_cpu = self.host_compute.choose(layer, g, hits, {rid for rid, _ in guesses.values()}) \
-            if self.host_compute is not None else []
-        cpu_parts = self.host_compute.start(layer, g, on_cpu, x, res.top_k) if on_cpu else None
-        if cpu_parts is not None:
-            yield cpu_parts[0]  # the CPU starts before the GPU's batches are enqueued
         plan = plan_ring(g.counts, rids, hits, [w is None or w.done() for w in waits], idle, spare, room, share,
-                         pool.ring_slot(0), pool.ring_slots, self.group, {r: rid for r, (rid, _) in guesses.items()},
-                         frozenset(on_cpu))
+                         pool.ring_slot(0), pool.ring_slots, self.group, {r: rid for r, (rid, _) in guesses.items()})
         for j in plan.fills:  # fills the pool (base precision) and stays for decode
             pool.allocate(rids[j], plan.slots[j])
             pool.pin(plan.slots[j])
@@ -91,8 +77,6 @@ class RingPath:
                     prof["compute"].append((begin, res.profiler.mark()))
             res.done([plan.slots[j] for j in idx])
             submit_ready(b)
-        if cpu_parts is not None:
-            yield cpu_parts[1]
         res.profiler.end(prof)
         return self.speculate(layer + 1, len(g.order))
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RingPlan:
-    slots: list[int | None]  # per expert (index into the step's grouping): the slot it is read from
+    slots: list[int]  # per expert (index into the step's grouping): the slot it is read from
     fills: list[int]  # experts fetched into the pool (slots[j]), where they stay
     ring: list[int]  # experts streamed through the ring, by ring position
     taken: dict[int, int]  # expert -> ring position whose early fetch is its record
@@ -31,16 +31,14 @@ class RingPlan:
 
 def plan_ring(counts: list[int], rids: list[int], hits: list[int | None], ready: list[bool], idle: list[int],
               spare: list[int], room: int, share: int, first_ring_slot: int, ring_slots: int, group: int,
-              guessed: dict[int, int], elsewhere: frozenset[int] = frozenset()) -> RingPlan:
+              guessed: dict[int, int]) -> RingPlan:
     """`counts`, `rids`: per expert of the step, its routing entries and record id; `hits`: its pool slot when
     resident, `ready`: whether that slot's copy has landed; `idle`: the layer's resident slots this step does not
-    use (taken from the end first); `spare`: other slots a fill may take, in order. `elsewhere`: misses computed
-    on the host CPU, which get no slot, no fetch and no batch."""
+    use (taken from the end first); `spare`: other slots a fill may take, in order."""
     idle, spare = list(idle), list(spare)
-    here = [j for j in range(len(counts)) if j not in elsewhere]
-    keep = set(sorted(here, key=lambda j: -counts[j])[:share])  # stable: ties keep expert order
+    keep = set(sorted(range(len(counts)), key=lambda j: -counts[j])[:share])  # stable: ties keep expert order
     slots, fills, ring = list(hits), [], []
-    for j in here:
+    for j in range(len(counts)):
         if slots[j] is not None:
             continue
         if j in keep and idle:
@@ -54,8 +52,8 @@ def plan_ring(counts: list[int], rids: list[int], hits: list[int | None], ready:
             slots[j] = first_ring_slot + len(ring) % ring_slots
             ring.append(j)
     fetched = set(fills) | set(ring)
-    present = [j for j in here if j not in fetched and ready[j]]
-    rest = sorted(set(here) - set(present))
+    present = [j for j in range(len(counts)) if j not in fetched and ready[j]]
+    rest = sorted(set(range(len(counts))) - set(present))
     batches = ([present] if present else []) + [rest[i: i + group] for i in range(0, len(rest), group)]
     batch_of = {j: b for b, idx in enumerate(batches) for j in idx}
     fetches = [([], []) for _ in batches]

@@ -10,7 +10,7 @@ import os
 import torch
 
 from moestream.experts.format import NgramLayout
-from moestream.experts.grouping import AddressedExperts, ExpertBatch, HostExperts, RemoteExperts
+from moestream.experts.grouping import AddressedExperts, ExpertBatch, RemoteExperts
 from moestream.kernels import reference
 
 DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config; their rows' bits do
@@ -180,19 +180,14 @@ def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
     return reference.deltanet_step(*args)
 
 
-def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts | HostExperts | RemoteExperts, top_k: int,
+def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts | RemoteExperts, top_k: int,
                 out: torch.Tensor) -> None:
     """Unweighted outputs of the routing entries a provider part covers, into `out` [T * top_k, H] (entry
     e = row * top_k + k): a batch's experts over their entries order[a:b] (`spans`), records in buffer slots;
     every entry with its record at `table[ids[e]]` (a layer's device addresses by expert id; CUDA only); or the
-    entries other ranks or the host CPU computed, joined into `out`; or host-tier experts the CPU starts on now (their
-    outputs joined by a later part)."""
+    entries other ranks computed, joined into `out`."""
     if isinstance(part, RemoteExperts):
         part.join(out)
-    elif isinstance(part, HostExperts):
-        from moestream.kernels import host_experts
-
-        host_experts.submit(part)
     elif isinstance(part, AddressedExperts):
         from moestream.kernels import expert_mlp
 

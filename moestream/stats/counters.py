@@ -35,8 +35,6 @@ class LayerCounters:
     ring_wait_seconds: float = 0.0  # time blocked until the GPU released a staging buffer or ring slot
     prefill_steps: int = 0
     decode_steps: int = 0
-    cpu_records: int = 0  # misses computed on the host CPU (--cpu-experts), not copied
-    cpu_entries: int = 0  # their routing entries
 
 
 class ExpertStats:

@@ -21,24 +21,22 @@ def one_line(experts: dict) -> str:
     parts = []
     for precision, c in experts.items():
         r = c["reads"]
-        cpu = f", {c['cpu_records']} computed on the CPU" if c.get("cpu_records") else ""
         parts.append(f"{precision}: {_rate(c['hits'], c['lookups'])} hits ({c['hits']}/{c['lookups']}), read "
-                     f"{_gb(r['disk']['bytes'])} GB from disk, {_gb(r['host']['bytes'])} GB from host{cpu}, "
-                     f"prefetched {c['prefetch_issued']} ({c['prefetch_used']} used)")
+                     f"{_gb(r['disk']['bytes'])} GB from disk, {_gb(r['host']['bytes'])} GB from host, prefetched "
+                     f"{c['prefetch_issued']} ({c['prefetch_used']} used)")
     return "experts " + "; ".join(parts) if parts else "experts: no lookups"
 
 
 def summary_table(stats: dict) -> Table:
     t = Table(title="expert cache")
-    for col in ("precision", "lookups", "hit rate", "misses", "on CPU", "prefetched (used)", "disk GB", "host GB",
+    for col in ("precision", "lookups", "hit rate", "misses", "prefetched (used)", "disk GB", "host GB",
                 "read s", "io wait s", "ring wait s"):
         t.add_column(col, justify="right")
     for precision, c in stats.get("totals", {}).items():
         r = c["reads"]
         t.add_row(precision, str(c["lookups"]), _rate(c["hits"], c["lookups"]), str(c["misses"]),
-                  str(c.get("cpu_records", 0)), f"{c['prefetch_issued']} ({c['prefetch_used']})",
-                  _gb(r["disk"]["bytes"]), _gb(r["host"]["bytes"]), f"{c['read_seconds']:.2f}",
-                  f"{c['io_wait_seconds']:.2f}", f"{c['ring_wait_seconds']:.2f}")
+                  f"{c['prefetch_issued']} ({c['prefetch_used']})", _gb(r["disk"]["bytes"]), _gb(r["host"]["bytes"]),
+                  f"{c['read_seconds']:.2f}", f"{c['io_wait_seconds']:.2f}", f"{c['ring_wait_seconds']:.2f}")
     pool = stats.get("pool")
     if pool:
         t.caption = (f"pool {pool['resident']}/{pool['slots']} records resident ({pool['precision']}, "
