@@ -44,16 +44,25 @@ class ExpertPool:
         self.pinned.clear()
 
     def lookup(self, rid: int) -> int | None:
-        uses = self.uses[rid] = self.uses[rid] + 1
-        self.lookups += 1
-        if self.lookups % (AGING * max(self.num_slots, 1)) == 0:
-            self.uses = Counter({r: c // 2 for r, c in self.uses.items() if c > 1})
-            self.slot_uses = [-1 if r is None else self.uses[r] for r in self.rid_of]
-        slot = self.slot_of.get(rid)
-        if slot is not None:
-            self.slot_uses[slot] = uses
-            self.lru.move_to_end(slot)
-        return slot
+        return self.lookup_many([rid])[0]
+
+    def lookup_many(self, rids: list[int]) -> list[int | None]:
+        """Each record's slot (None: not resident), looked up in order, as `lookup` one by one: a resident prefill
+        layer looks up every expert while the GPU waits, so the loop keeps to local names."""
+        out, period = [], AGING * max(self.num_slots, 1)
+        uses, slot_of, move_to_end = self.uses, self.slot_of, self.lru.move_to_end
+        for rid in rids:
+            count = uses[rid] = uses.get(rid, 0) + 1
+            self.lookups += 1
+            if self.lookups % period == 0:
+                uses = self.uses = Counter({r: c // 2 for r, c in uses.items() if c > 1})
+                self.slot_uses = [-1 if r is None else uses[r] for r in self.rid_of]
+            slot = slot_of.get(rid)
+            if slot is not None:
+                self.slot_uses[slot] = count
+                move_to_end(slot)
+            out.append(slot)
+        return out
 
     def pin(self, slot: int) -> None:
         self.pinned.add(slot)

@@ -56,17 +56,17 @@ class Residency:
         """Each record's pool slot (a hit, pinned for this step) or None (a miss), counted once for all of them (a
         resident prefill layer's host work keeps the GPU waiting: counting 128 lookups one by one was most of it)."""
         pool, uses, n = self.pool, self.stats.expert_uses[layer], self.geometry.num_experts
-        slots, hits = [pool.lookup(rid) for rid in rids], {}
+        slots, hits, precision_of, prefetched = pool.lookup_many(rids), {}, pool.precision_of, pool.prefetched
         for rid, slot in zip(rids, slots):
             uses[rid % n] += 1
             if slot is None:
                 continue
-            precision = pool.precision_of[slot]
+            precision = precision_of[slot]
             hits[precision] = hits.get(precision, 0) + 1
-            pool.pin(slot)
-            if rid in pool.prefetched:
-                pool.prefetched.discard(rid)
+            if rid in prefetched:
+                prefetched.discard(rid)
                 self.stats.at(layer, precision).prefetch_used += 1
+        pool.pinned.update(s for s in slots if s is not None)
         for precision, count in hits.items():
             self._count_hits(layer, precision, count)
         if misses := len(rids) - sum(hits.values()):
