@@ -88,6 +88,15 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
         (cd "$tree" && PYTHONPATH="$tree" timeout 150 python -m benchmarks.probes.flash_next "$WORK/fn4" \
           --configs graph --out "$OUT/ab-fn4-$(basename "$tree").jsonl" 2>&1 | grep -o '"prompt".*')
       done ;;
+    ab-prefill)  # resident prefill 512/4096 of a 12-layer 30B slice by the tree at .device/base.tgz and by this one,
+                 # interleaved (`git archive BASE moestream ':!moestream/demo_model' | gzip > .device/base.tgz`)
+      [ -f "$WORK/q12/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
+build('$WORK/q12', 'qwen3-30b', layers=12, sparse=('q4',))" > "$OUT/q12.log" 2>&1
+      mkdir -p /tmp/base && tar xzf .device/base.tgz -C /tmp/base && cp -r benchmarks /tmp/base/
+      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
+        (cd "$tree" && PYTHONPATH="$tree" timeout 120 python -m benchmarks.probes.e2e "$WORK/q12" --prefill --fracs 1.0 \
+          --warm 2>&1 | grep -i "prefill" | sed "s|^|$(basename "$tree"): |" | tee -a "$OUT/ab-prefill.log")
+      done ;;
     gemv) timeout 120 python -m benchmarks.probes.gemv 2>&1 | tee "$OUT/gemv.log" ;;
     e2e) e2e 300 e2e --decode --prefill ;;
     decode) e2e 200 decode --decode --profile ;;
