@@ -207,21 +207,25 @@ def bench(binary: str, gguf: str, n_cpu_moe: tuple[int, ...] = (0,), prompts: tu
 N_CPU_MOE = 36  # of 48 layers' experts in CPU RAM: the nearest to the suite's 25% pool with the host tier
 
 
-def suite_rows(bench_rows: list[dict]) -> list[dict]:
+def suite_rows(bench_rows: list[dict], variant: str = "") -> list[dict]:
     """`parse_bench` rows as the suite's (benchmarks/suite.py): llama-bench's tgN is decode (after an empty
     context; the suite's follows a 16-token prompt), ppN a prefill of N tokens; all on the GPU is a pool of 100%,
-    experts of `N_CPU_MOE` layers in RAM the suite's 25% pool with the host tier."""
+    experts of `N_CPU_MOE` layers in RAM the suite's 25% pool with the host tier. `variant`: the flags added to the
+    engine's name (" --repack 0")."""
     rows = []
     for r in bench_rows:
         offloaded = r["scenario"] != "gpu"
         decode = r["test"].startswith("tg")
-        rows.append({"model": "qwen3-30b", "engine": ENGINES[offloaded], "pool": 0.25 if offloaded else 1.0,
+        rows.append({"model": "qwen3-30b", "engine": ENGINES[offloaded] + variant, "pool": 0.25 if offloaded else 1.0,
                      "host_tier": offloaded, "scenario": "decode" if decode else "prefill",
                      "tokens": 16 if decode else int(r["test"][2:]), "rate": r["tok_s"], "stddev": r["stddev"]})
     return rows
 
 
 ENGINES = {False: "llama.cpp (GPU)", True: f"llama.cpp --n-cpu-moe {N_CPU_MOE}"}
+# CPU weights in llama.cpp's repacked (or AMX) buffers are not host buffers, which its scheduler's op offload (a
+# large batch's weights copied to the GPU) requires: `--repack 0` keeps them plain, so long prompts run on the GPU
+NO_REPACK = ("--repack", "0")
 
 
 def _ints(s: str) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ import json
 import os
 
 PEERS = ("transformers (GPU)", "transformers + accelerate (experts on CPU)", "llama.cpp (GPU)",
-         "llama.cpp --n-cpu-moe 36")
+         "llama.cpp --n-cpu-moe 36", "llama.cpp --n-cpu-moe 36 --repack 0")
 HEADER = ["scenario", "pool", "host tier", "engine", "tok/s", "bound", "of bound", *PEERS]
 
 

@@ -188,8 +188,8 @@ def stage_peers(args) -> list[dict]:
 
 
 def stage_llamacpp(args) -> list[dict]:
-    """llama-bench all on the GPU and with the experts of 36 layers in RAM, on `<work>/qwen3-30b.gguf` (written
-    first when missing: ~19 GB)."""
+    """llama-bench all on the GPU and with the experts of 36 layers in RAM (as it loads them, and with --repack 0),
+    on `<work>/qwen3-30b.gguf` (written first when missing: ~19 GB)."""
     from benchmarks import llamacpp
 
     if not args.llama_bench or not os.path.isfile(args.llama_bench):
@@ -198,8 +198,10 @@ def stage_llamacpp(args) -> list[dict]:
     if not os.path.isfile(gguf):
         llamacpp.write_gguf(gguf, tokenizer_json=args.tokenizer or llamacpp.TOKENIZER_JSON)
     runs = []
-    for n_cpu_moe in (0, llamacpp.N_CPU_MOE):  # one run each: a call cut short keeps the first
-        runs += llamacpp.suite_rows(llamacpp.bench(args.llama_bench, gguf, (n_cpu_moe,), reps=3)["rows"])
+    for n_cpu_moe, extra in ((0, ()), (llamacpp.N_CPU_MOE, ()), (llamacpp.N_CPU_MOE, llamacpp.NO_REPACK)):
+        # one run each: a call cut short keeps the first
+        bench = llamacpp.bench(args.llama_bench, gguf, (n_cpu_moe,), reps=3, extra=extra)
+        runs += llamacpp.suite_rows(bench["rows"], " " + " ".join(extra) if extra else "")
         args.save(runs)
     return runs
 

@@ -112,4 +112,7 @@ def test_bench_rows_join_the_suite_beside_ours():
     assert {r["engine"] for r in rows} <= set(PEERS)
     ours = {"model": "qwen3-30b", "engine": "moestream", "pool": 0.25, "host_tier": True, "scenario": "prefill",
             "tokens": 512, "rate": 1500.0}
-    assert table(rows + [ours], "qwen3-30b")[-1].endswith("| - | - | - | 2,000.0 |")
+    assert table(rows + [ours], "qwen3-30b")[-1].endswith("| - | - | - | 2,000.0 | - |")
+    unpacked = llamacpp.suite_rows([{"scenario": "n_cpu_moe=36", "test": "pp512", "tok_s": 2500.0, "stddev": 9.0}],
+                                   " " + " ".join(llamacpp.NO_REPACK))
+    assert table(rows + unpacked + [ours], "qwen3-30b")[-1].endswith("| 2,000.0 | 2,500.0 |")
