@@ -231,8 +231,11 @@ def main() -> None:
     p.add_argument("--pools", default=",".join(map(str, POOLS)), help="moestream stage: pool fractions (%(default)s)")
     p.add_argument("--tiers", default="disk,host", help="moestream stage: below the pool, disk and/or host")
     args = p.parse_args()
-    args.pools = [float(f) for f in args.pools.split(",")]
-    args.tiers = [{"disk": False, "host": True}[t] for t in args.tiers.split(",")]
+    try:
+        args.pools = [float(f) for f in args.pools.split(",")]
+        args.tiers = [{"disk": False, "host": True}[t] for t in args.tiers.split(",")]
+    except (ValueError, KeyError):
+        p.error("--pools takes fractions (1.0,0.25) and --tiers disk and/or host (disk,host)")
     args.out = args.out or out_dir("suite")
     args.stores = dict(spec.split("=", 1) for spec in args.store) or {m: os.path.join(args.work, m) for m in MODELS}
     if args.stage == "report":  # reads what the stages wrote; needs no GPU and no stores
