@@ -43,7 +43,7 @@ class RingPath:
                                     res.base for s in hits):
             # every record resident, landed and waited on (a resident prefill): the plan's one batch, without
             # planning it, while the GPU waits on this thread
-            yield batch_of(g, list(range(len(hits))), pool.buffer, res.layouts[res.base], hits)
+            yield from self._timed(prof, batch_of(g, list(range(len(hits))), pool.buffer, res.layouts[res.base], hits))
             res.done(hits)
             res.profiler.end(prof)
             return self.speculate(layer + 1, len(g.order))
@@ -78,15 +78,19 @@ class RingPath:
         for b, idx in enumerate(plan.batches):
             for precision, part in res.by_precision([(j, plan.slots[j], waits[j]) for j in idx]):
                 res.wait(layer, [s for _, s, _ in part], [w for _, _, w in part])
-                begin = res.profiler.mark()
-                yield batch_of(g, [j for j, _, _ in part], pool.buffer, res.layouts[precision],
-                               [s for _, s, _ in part])
-                if prof is not None:
-                    prof["compute"].append((begin, res.profiler.mark()))
+                yield from self._timed(prof, batch_of(g, [j for j, _, _ in part], pool.buffer, res.layouts[precision],
+                                                      [s for _, s, _ in part]))
             res.done([plan.slots[j] for j in idx])
             submit_ready(b)
         res.profiler.end(prof)
         return self.speculate(layer + 1, len(g.order))
+
+    def _timed(self, prof: dict | None, batch: ExpertBatch) -> Generator[ExpertBatch, None, None]:
+        """Yields `batch`; when profiling, the compute it was given goes into the layer's profile."""
+        begin = self.res.profiler.mark()
+        yield batch
+        if prof is not None:
+            prof["compute"].append((begin, self.res.profiler.mark()))
 
     def speculate(self, layer: int, entries: int) -> RingAhead | None:
         """The next layer's first RING ring fetches, started now to overlap this layer's tail and the next
