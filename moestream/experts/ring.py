@@ -38,7 +38,6 @@ class RingPath:
         prof = res.profiler.begin(layer)
         rids = [geometry.rid(layer, e) for e in g.experts]
         hits = res.lookups(layer, rids)  # every hit first, pinned before any fill evicts
-        waits = [pool.pending[s] if s is not None else None for s in hits]
         if None not in hits and all(pool.pending[s] is None and pool.ready[s] is None and pool.precision_of[s] ==
                                     res.base for s in hits):
             # every record resident, landed and waited on (a resident prefill): the plan's one batch, without
@@ -47,6 +46,7 @@ class RingPath:
             res.done(hits)
             res.profiler.end(prof)
             return self.speculate(layer + 1, len(g.order))
+        waits = [pool.pending[s] if s is not None else None for s in hits]
         idle, spare, room, share = pool.ring_room(layer, set(g.experts), sum(s is not None for s in hits),
                                                   geometry.num_layers, geometry.num_experts)
         guesses = ahead.fetches if ahead is not None and ahead.layer == layer else {}
