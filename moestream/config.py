@@ -413,7 +413,10 @@ class EngineConfig:
     # decode steps: "graph" (captured once every record is addressable), "eager" (the same static step, never
     # captured: to time graphs against) or "handshake" (every layer routed through the host: invariance tests)
     decode_mode: str = "graph"
-    max_context: int = 8192  # decode buffers reserved at load (grown by doubling past it)
+    max_context: int = 8192  # positions a decode state's row maps cover at load (grown by doubling past it)
+    # positions the paged KV cache holds across running sequences (layers/kv.py): a sequence is admitted when the
+    # blocks its prompt and max_tokens may fill are free; None: 2 * max_context under --gpu-gb, else it grows
+    kv_tokens: int | None = None
     prefill_chunk: int = 4096  # prompt tokens per forward; prefix-cache snapshots are taken at its multiples
     prefix_cache_mb: float = 0.0  # host memory for prompt-prefix snapshots; 0 = off
     preload: bool | None = None  # load every record at start when the pool or host tier holds them; None: on CUDA
@@ -425,8 +428,8 @@ class EngineConfig:
     # head), verified k+1 rows a step; `drafts` fixes k (0..MAX_DRAFTS), None chooses it per step
     speculation: str = "off"
     drafts: int | None = None
-    # sequences decoded together (continuous batching; engine/scheduler.py): each holds a decode state of
-    # `max_context` rows once it runs; 1 with MTP drafts, or with a PLE table on disk
+    # sequences decoded together (continuous batching; engine/scheduler.py): each holds a decode state (recurrent
+    # states, row maps) once it runs and KV blocks as it fills them; 1 with MTP drafts, or a PLE table on disk
     max_batch: int = 16
     # GPUs of one host the experts are spread over (engine/ranks.py): each holds expert e of every layer where
     # e % gpus is its rank, with the pool and host-tier budgets given per GPU; on the CPU, processes (tests)
@@ -438,6 +441,8 @@ class EngineConfig:
                f"dtype {self.dtype!r}: choose bfloat16, float16 or float32")
         _check(self.decode_mode in DECODE_MODES, f"decode_mode {self.decode_mode!r}: choose {', '.join(DECODE_MODES)}")
         _check(self.max_context >= 1 and self.prefill_chunk >= 1, "need max_context >= 1 and prefill_chunk >= 1")
+        _check(self.kv_tokens is None or (isinstance(self.kv_tokens, int) and self.kv_tokens >= 1),
+               f"--kv-tokens {self.kv_tokens!r}: choose a whole number >= 1")
         _check(_finite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0, "prefix_cache_mb must be a number >= 0")
         _check(_finite(self.gpu_gb) and (self.gpu_gb is None or self.gpu_gb > 0), "--gpu-gb must be a number > 0")
         _check(self.ngram_tier in NGRAM_TIERS, f"ngram_tier {self.ngram_tier!r}: choose {', '.join(NGRAM_TIERS)}")
@@ -457,6 +462,13 @@ class EngineConfig:
         if self.speculation == "off":
             return 0
         return MAX_DRAFTS if self.drafts is None else self.drafts
+
+    @property
+    def kv_limit(self) -> int | None:
+        """Positions the KV cache may hold, or None where it grows as sequences need."""
+        if self.kv_tokens is not None:
+            return self.kv_tokens
+        return 2 * self.max_context if self.gpu_gb is not None else None
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """This config with fields replaced by name; ExpertConfig's fields may be named directly, and `experts` /

@@ -34,7 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
                    help="do not prefetch the next layer's experts")
     p.add_argument("--no-ring-lookahead", action="store_false", dest="ring_lookahead", default=None,
                    help="prefill: do not start the next layer's ring copies before this layer is done")
-    p.add_argument("--max-context", type=int, help=f"decode buffers reserved at load (default {defaults.max_context})")
+    p.add_argument("--max-context", type=int,
+                   help=f"positions a decode state covers at load, grown past it (default {defaults.max_context})")
+    p.add_argument("--kv-tokens", type=int,
+                   help="positions the paged KV cache holds across running sequences; a request waits until the "
+                        "blocks its prompt and max tokens may fill are free (default: 2 x --max-context under "
+                        "--gpu-gb, else it grows)")
     p.add_argument("--prefill-chunk", type=int,
                    help=f"prompt tokens per prefill forward (default {defaults.prefill_chunk}); prefix-cache "
                         "snapshots are taken every chunk")
@@ -51,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
                    help=f"drafts a verify step checks (default: chosen each step from the acceptance, up to "
                         f"{MAX_DRAFTS})")
     p.add_argument("--max-batch", type=int, choices=range(1, MAX_BATCH + 1), metavar=f"1..{MAX_BATCH}",
-                   help=f"sequences decoded together, each with a decode state of --max-context rows (default "
+                   help=f"sequences decoded together, each with its own recurrent states and KV blocks (default "
                         f"{defaults.max_batch}; 1 with --spec mtp; with --spec lookup a sequence drafts while it runs "
                         "alone)")
     p.add_argument("--gpus", type=int, choices=range(1, MAX_GPUS + 1), metavar=f"1..{MAX_GPUS}",
@@ -60,7 +65,7 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
 
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",
-               "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "prefill_chunk",
+               "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "kv_tokens", "prefill_chunk",
                "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch", "gpus")
 
 

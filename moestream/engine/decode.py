@@ -22,6 +22,7 @@ import torch
 from moestream.config import EngineConfig
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.layers.context import StepContext
+from moestream.layers.kv import BlockPool, KVRows, blocks_for
 from moestream.layers.rows import Batched
 from moestream.models.base import CausalLM, SequenceState
 
@@ -39,10 +40,12 @@ class StepInputs:
 
 class Decoder:
     def __init__(self, model: CausalLM, provider: ExpertProvider, cfg: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, static: bool | None = None, max_rows: int = 1, max_batch: int = 1):
+                 dtype: torch.dtype, static: bool | None = None, max_rows: int = 1, max_batch: int = 1,
+                 kv_tokens: int | None = None):
         """`static`: whether steps have static shapes (default: on CUDA, when the model is graph-safe, or where
         verify or batched steps are wanted; the CPU tests ask for them to run the GPU's step with the reference
-        kernels). `max_rows`: the most rows a verify step has (1 + drafts); `max_batch`: a batched step's."""
+        kernels). `max_rows`: the most rows a verify step has (1 + drafts); `max_batch`: a batched step's.
+        `kv_tokens`: the positions the slots' shared KV pool holds (bounded), or None (it grows as they need)."""
         self.model, self.provider, self.mode, self.max_context = model, provider, cfg.decode_mode, cfg.max_context
         self.device, self.dtype, self.max_rows, self.max_batch = device, dtype, max_rows, max_batch
         self.static = (device.type == "cuda" or max_rows > 1 or max_batch > 1) if static is None else static
@@ -53,6 +56,7 @@ class Decoder:
         self.graph_replays = 0
         self.slots: list[SequenceState] = []  # the static steps' own states, which the graphs read and write
         self.views: dict[int, SequenceState] = {}  # rows -> the batched view of the first slots' states
+        self.kv_tokens, self.kv = kv_tokens, None  # the slots' KV pool (layers/kv.py), made with the first slot
         if self.static:
             self.slots.append(self._static_state())
 
@@ -75,6 +79,7 @@ class Decoder:
         while len(self.slots) <= slot:
             self.slots.append(self._static_state())
         if self.slots[slot].capacity != self.capacity:
+            self.slots[slot].release()
             self.slots[slot] = self._static_state()
             self.graphs, self.views = {}, {}  # they were captured over the old buffers
         self.slots[slot].reset()
@@ -107,7 +112,7 @@ class Decoder:
         inputs = self._inputs(rows, False)
         self._load(inputs, tokens, state, hidden)
         self.position.fill_(start)
-        return self._step((rows, False), [state], state, (capacity,))
+        return self._step((rows, False), [state], state, (capacity, self._grown()))
 
     @torch.inference_mode()
     def step_batch(self, tokens: list[int], states: list[SequenceState]) -> torch.Tensor:
@@ -115,7 +120,7 @@ class Decoder:
         have the bits of single steps; returns their logits [rows, vocab] (float32) and advances the states."""
         rows = len(tokens)
         assert self.static and 1 < rows <= self.max_batch
-        capacities = tuple(self._make_room(state, state.length + 1) for state in states)
+        capacities = (*(self._make_room(state, state.length + 1) for state in states), self._grown())
         inputs = self._inputs(rows, True)
         inputs.tokens.copy_(torch.tensor(tokens))
         inputs.positions.copy_(torch.tensor([s.length for s in states]))
@@ -139,7 +144,8 @@ class Decoder:
         return len(states) <= len(self.slots) and all(s is slot for s, slot in zip(states, self.slots))
 
     def _make_room(self, state: SequenceState, end: int) -> int:
-        """Room for positions up to `end`; returns the state's capacity."""
+        """Room for positions up to `end` (a map that covers them, and their KV blocks); returns the state's
+        capacity."""
         capacity = state.capacity
         if capacity < self.max_context:  # another state (tests): attended over as the decoder's own
             state.reserve(self.max_context)
@@ -147,7 +153,12 @@ class Decoder:
         if end > capacity:
             state.reserve(2 * max(capacity, end))
             capacity = state.capacity
+        state.make_room(end)
         return capacity
+
+    def _grown(self) -> int:
+        """How often the KV pool's stores moved (graphs captured over older ones are made anew)."""
+        return self.kv.grown if self.kv is not None else 0
 
     def _step(self, key: tuple[int, bool], states: list[SequenceState], view: SequenceState, capacities: tuple):
         """Replay the step's graph when it was captured over these states' buffers, else run it (and capture it
@@ -181,7 +192,7 @@ class Decoder:
                 addresses = self.provider.address_table() if self.mode == "graph" else None
                 if addresses is not None:
                     self._run(key, self.state, addresses)
-                    self._capture(key, self.state, addresses, (self.state.capacity,))
+                    self._capture(key, self.state, addresses, (self.state.capacity, self._grown()))
                     self.graphs[key][0].replay()  # the first replay uploads the graph
             for rows in range(2, self.max_batch + 1):  # compiled only: a batch's graph is captured on first use
                 view = SequenceState([Batched([layer] * rows) for layer in self.state.layers])
@@ -233,6 +244,12 @@ class Decoder:
     def _static_state(self) -> SequenceState:
         state = self._new_state()
         state.reserve(self.max_context)
+        if self.kv is None and state.caches:
+            stores = [KVRows(c.k.shape[1], c.k.shape[2], c.k.dtype, c.k.device) for c in state.caches]
+            rows = self.kv_tokens or self.max_context
+            self.kv = BlockPool(stores, blocks_for(rows), bounded=self.kv_tokens is not None)
+        if self.kv is not None:
+            state.share(self.kv)
         if self.max_rows > 1:
             state.reserve_rows(self.max_rows)
         self.capacity = state.capacity

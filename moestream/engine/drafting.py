@@ -74,8 +74,7 @@ class HeadDrafts:
             return out, model.logits(out)
         if (skipped := n - self.head.max_rows) > 0:
             for layer in self.state.layers:
-                layer.k[start: start + skipped].zero_()
-                layer.v[start: start + skipped].zero_()
+                layer.clear(start, start + skipped)
             self.state.advance(ids[:skipped])
             rows, ids = rows[skipped:], ids[skipped:]
         out, logits = self.head.forward(ids, self.state, rows)

@@ -22,7 +22,7 @@ from moestream.engine import generate as gen
 from moestream.engine.decode import Decoder
 from moestream.engine.drafting import HeadDecoder, HeadDrafts
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
-from moestream.engine.memory import activation_bytes, dense_bytes, plan_gpu, state_bytes
+from moestream.engine.memory import activation_bytes, dense_bytes, kv_row_bytes, plan_gpu, state_bytes
 from moestream.engine.prefix_cache import PrefixCache
 from moestream.engine.scheduler import Request, Scheduler
 from moestream.engine.speculation import Depth, SpecStats, Speculator
@@ -31,6 +31,7 @@ from moestream.errors import BudgetError, ConfigError, MoestreamError, RequestEr
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
 from moestream.layers.context import StepContext
+from moestream.layers.kv import BLOCK_ROWS, blocks_for
 from moestream.models import model_class
 from moestream.sampling import SamplingParams
 
@@ -110,7 +111,7 @@ class LLM:
         self.provider.attach({b.layer_slot: b.gate.weight for b in self.model.moe_blocks()})
         self.spec_stats, self.depth = SpecStats(), Depth(cfg.max_drafts, cfg.drafts)
         self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts,
-                               max_batch=self.max_batch)
+                               max_batch=self.max_batch, kv_tokens=cfg.kv_limit)
         self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk)
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \
             if cfg.speculation == "mtp" and cfg.max_drafts else None
@@ -231,7 +232,14 @@ class LLM:
             if len(ids) >= context:
                 raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, context - len(ids)))
-        return self.scheduler.submit(Request(lambda slot: self._open(ids, params, slot), cancelled, tuple(ids)))
+        rows = len(ids) + params.max_tokens + self.engine_config.max_drafts  # the most positions it may fill
+        kv = self.decoder.kv
+        if kv is not None and kv.bounded and blocks_for(rows) > kv.blocks:
+            raise RequestError(f"the prompt's {len(ids)} tokens and max_tokens {params.max_tokens} need up to "
+                               f"{rows} KV positions; this engine's KV cache holds {kv.blocks * BLOCK_ROWS} "
+                               "(--kv-tokens)")
+        return self.scheduler.submit(Request(lambda slot: self._open(ids, params, slot), cancelled, tuple(ids),
+                                             rows=rows))
 
     def _open(self, ids: list[int], params: SamplingParams, slot: int) -> gen.Generation:
         """The generation of `ids` on batch slot `slot`'s state, from the deepest cached prefix when there is one."""
@@ -330,12 +338,29 @@ class LLM:
         return {"budget": self.engine_config.gpu_gb and int(self.engine_config.gpu_gb * 1e9),
                 "dense": dense_bytes(self.model), "pool": pool.num_slots * pool.stride,
                 "ring": pool.ring_slots * pool.stride,
-                "decode_state": len(self.decoder.slots) * state_bytes(self.model, self.dtype, state.capacity,
-                                                                      self.decoder.max_rows, self.head is not None)
-                if state is not None else None,
+                "decode_state": self._state_bytes() if state is not None else None,
+                "kv_cache": self._kv_stats(),
                 "activations_estimate": activation_bytes(self.config, self.engine_config.prefill_chunk, self.dtype),
                 "ngram_tables": sum(t.staging.numel() for t in ngram_tables(self.model) if t.staging is not None),
                 "peak_allocated": self.peak_gpu_bytes}
+
+    def _state_bytes(self) -> int:
+        """The slots' recurrent states and row maps, the MTP head's cache and the shared KV pool."""
+        state = self.decoder.state
+        one = state_bytes(self.model, self.dtype, state.capacity, self.decoder.max_rows, self.head is not None)
+        kv = self.decoder.kv
+        if kv is None:
+            return len(self.decoder.slots) * one
+        row = kv_row_bytes(state)
+        return len(self.decoder.slots) * (one - state.capacity * row) + kv.blocks * BLOCK_ROWS * row
+
+    def _kv_stats(self) -> dict | None:
+        """The paged KV cache: its blocks, those in use, and whether it is bounded (requests wait) or grows."""
+        kv = self.decoder.kv
+        if kv is None:
+            return None
+        return {"blocks": kv.blocks, "blocks_in_use": kv.used, "block_positions": BLOCK_ROWS, "bounded": kv.bounded,
+                "promised_blocks": self.scheduler.promised}
 
     def close(self) -> None:
         """Stop the fetch threads and let go of the pool, the pinned host tier and the n-gram tables, so that

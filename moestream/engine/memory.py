@@ -1,7 +1,8 @@
 """What the engine keeps on the GPU, part by part, and a whole-GPU budget (`gpu_gb`) turned into a pool size.
 
-Parts: the dense weights (counted by storage, so fused projections count once), the decode states (KV caches
-and recurrent states reserved for `max_context`, one per batch slot), the activations of a prefill chunk (an
+Parts: the dense weights (counted by storage, so fused projections count once), the decode states (recurrent
+states and row maps for `max_context`, one per batch slot, and the paged KV cache's `kv_limit` positions, which
+the slots share), the activations of a prefill chunk (an
 estimate from the model's dims, checked against the measured peak after the load's warm-up), the prefill ring
 and the pool, which gets what is left. The n-gram tables never take GPU memory: the host tier holds them, or the
 disk.
@@ -43,7 +44,8 @@ def state_bytes(model: CausalLM, dtype: torch.dtype, rows: int, verify_rows: int
         state.reserve(rows)
         if verify_rows > 1:
             state.reserve_rows(verify_rows)
-    total, todo = 0, [layer for state in states for layer in state.layers]
+    total = rows * sum(kv_row_bytes(state) for state in states)
+    todo = [layer for state in states for layer in state.layers]
     while todo:
         part = todo.pop()
         for value in vars(part).values():
@@ -54,6 +56,19 @@ def state_bytes(model: CausalLM, dtype: torch.dtype, rows: int, verify_rows: int
             elif dataclasses.is_dataclass(value) or hasattr(value, "__dict__") and not isinstance(value, type):
                 todo.append(value)
     return total
+
+
+def kv_row_bytes(state) -> int:
+    """Bytes one position takes in a state's attention caches (their keys and values)."""
+    return sum(2 * c.k.shape[1] * c.k.shape[2] * c.k.element_size() for c in state.caches)
+
+
+def slot_bytes(model: CausalLM, dtype: torch.dtype, cfg: EngineConfig, head: bool = False) -> int:
+    """A batch slot's decode state without the KV rows the slots share when the KV cache is bounded."""
+    one = state_bytes(model, dtype, cfg.max_context, 1 + cfg.max_drafts, head)
+    if cfg.kv_limit is None:
+        return one
+    return one - cfg.max_context * kv_row_bytes(model.new_state(dtype, torch.device("meta")))
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
@@ -86,8 +101,9 @@ def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype:
     """Split `cfg.gpu_gb` into parts, with a decode state for each of `batch` sequences; refuses a budget whose
     pool cannot hold one decode step's records."""
     budget = int(cfg.gpu_gb * 1e9)
-    plan = GpuPlan(dense_bytes(model), batch * state_bytes(model, dtype, cfg.max_context, 1 + cfg.max_drafts,
-                                                          cfg.speculation == "mtp" and cfg.max_drafts > 0),
+    kv = cfg.kv_limit * kv_row_bytes(model.new_state(dtype, torch.device("meta")))
+    plan = GpuPlan(dense_bytes(model), batch * slot_bytes(model, dtype, cfg, cfg.speculation == "mtp" and
+                                                          cfg.max_drafts > 0) + kv,
                    activation_bytes(model.config, cfg.prefill_chunk, dtype), cfg.expert.ring_slots * stride, 0)
     plan.pool = budget - plan.dense - plan.state - plan.activations - plan.ring
     if cfg.expert.pool_gb is not None:
@@ -98,5 +114,5 @@ def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype:
     if plan.pool < top_k * stride:
         raise BudgetError(f"--gpu-gb {cfg.gpu_gb:g} leaves {max(plan.pool, 0) / 1e9:.2f} GB for experts, below one "
                           f"decode step's {top_k * stride / 1e9:.3f} GB (GB: {plan.parts_gb()}); raise it, or "
-                          "lower --max-context, --max-batch or --prefill-chunk")
+                          "lower --max-context, --kv-tokens, --max-batch or --prefill-chunk")
     return plan

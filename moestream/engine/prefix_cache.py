@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 
 import numpy as np
 import torch
@@ -58,9 +58,13 @@ def _tensors(obj, fn):
                 obj[name] = moved
             else:
                 setattr(obj, name, moved)
-        elif hasattr(value, "snapshot") or (isinstance(value, list) and value and hasattr(value[0], "snapshot")):
-            total += _tensors(value, fn)  # nested states (every state has snapshot()); not token lists
+        elif _is_state(value) or (isinstance(value, list) and value and _is_state(value[0])):
+            total += _tensors(value, fn)  # nested states and their snapshots; not token lists
     return total
+
+
+def _is_state(value) -> bool:
+    return hasattr(value, "snapshot") or is_dataclass(value)
 
 
 def host_snapshot(state: SequenceState) -> tuple[SequenceState, int]:
@@ -70,7 +74,7 @@ def host_snapshot(state: SequenceState) -> tuple[SequenceState, int]:
 
 
 def _capacity(layer_state) -> int | None:
-    return layer_state.k.shape[0] if hasattr(layer_state, "reserve") else None
+    return layer_state.capacity if hasattr(layer_state, "reserve") else None
 
 
 class PrefixCache:

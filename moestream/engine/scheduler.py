@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from moestream.engine.generate import Generation, Step
 from moestream.engine.prefix_cache import host_snapshot
+from moestream.layers.kv import blocks_for
 
 
 @dataclass
@@ -27,6 +28,8 @@ class Request:
     open: Callable[[int], Generation]  # its generation, started on the given slot's state
     cancelled: Callable[[], bool] | None = None
     prompt: tuple[int, ...] = ()  # its token ids: requests of one prompt share one prefill
+    rows: int = 0  # the most positions it may fill (prompt, max_tokens, drafts): the KV blocks promised it
+    promised: int = 0  # KV blocks promised while it holds a slot
     generation: Generation | None = None
     slot: int | None = None
     steps: deque[Step] = field(default_factory=deque)
@@ -46,6 +49,7 @@ class Scheduler:
         self.prefilling: Request | None = None
         self.running: list[Request] = []  # in slot order: running[i] holds slot i
         self.batch_rows: dict[int, int] = {}  # rows a decode step had -> how many such steps
+        self.promised = 0  # KV blocks promised to the sequences in slots (a bounded cache admits within them)
         # (prompt, host snapshot of the state at its end, its last logits) of a prefill that waiting requests of the
         # same prompt start from (n choices of one request), so that a prompt is prefilled once
         self.forked: tuple | None = None
@@ -58,9 +62,6 @@ class Scheduler:
         """Positions the sequences in slots hold (each a row of every attention layer's cache)."""
         held = [*self.running, *([self.prefilling] if self.prefilling else [])]
         return sum(r.generation.seq.state.length for r in held if r.generation is not None)
-
-    def rows_reserved(self) -> int:
-        return sum(s.capacity for s in self.decoder.slots)
 
     def submit(self, request: Request) -> Request:
         self.waiting.append(request)
@@ -94,9 +95,11 @@ class Scheduler:
         budget = self.prefill_tokens
         while budget > 0:
             if self.prefilling is None:
-                if not self.waiting or len(self.running) >= self.max_batch:
+                if not self.waiting or len(self.running) >= self.max_batch or not self._fits(self.waiting[0]):
                     break
                 request = self.prefilling = self.waiting.popleft()
+                request.promised = blocks_for(request.rows)
+                self.promised += request.promised
                 request.slot = len(self.running)
                 request.generation = request.open(request.slot)
                 if self._fork(request):
@@ -112,6 +115,12 @@ class Scheduler:
                     self._join(request)
         if self.running:
             self._decode()
+
+    def _fits(self, request: Request) -> bool:
+        """Whether a bounded KV cache can promise `request` every block it may fill, beside the running ones' (so
+        a running sequence never meets a full cache: a new one waits instead)."""
+        kv = self.decoder.kv
+        return kv is None or not kv.bounded or self.promised + blocks_for(request.rows) <= kv.blocks
 
     def _awaited(self, prompt: tuple[int, ...]) -> bool:
         return any(r.prompt == prompt for r in self.waiting)
@@ -168,6 +177,10 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finished, request.finish_reason = True, reason
+        if request.generation is not None and request.promised:  # it held a slot: its KV blocks go back
+            request.generation.seq.state.release()
+            self.promised -= request.promised
+            request.promised = 0
         if request is self.prefilling:
             self.prefilling = None
         elif request in self.running:

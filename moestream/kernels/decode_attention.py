@@ -1,5 +1,5 @@
-"""Launching the Triton decode-attention kernels: query tokens, each over a fixed-size KV cache (one for all of
-them, or a batch's: each token its own sequence's)."""
+"""Launching the Triton decode-attention kernels: query tokens, each over a fixed-size KV cache, stored in place
+or paged (a row map per sequence: one for all the tokens, or a batch's, each token its own sequence's)."""
 
 from __future__ import annotations
 
@@ -23,36 +23,50 @@ def splits(capacity: int, block_n: int = BLOCK_N, block_split: int = BLOCK_SPLIT
     return triton.cdiv(capacity, length), length
 
 
-def row_offsets(caches: list[torch.Tensor]) -> torch.Tensor:
-    """Where each cache starts, in elements past the first one's [T] (int64, on their device), made once for a set
-    of caches and kept: a captured graph reads it (the first, eager run of a step makes it, before the capture)."""
-    key = tuple(c.data_ptr() for c in caches)
+def map_offsets(maps: list[torch.Tensor]) -> torch.Tensor:
+    """Where each row map starts, in elements past the first one's [T] (int64, on their device), made once for a
+    set of maps and kept: a captured graph reads it (the first, eager run of a step makes it, before the capture)."""
+    key = tuple(m.data_ptr() for m in maps)
     if key not in _OFFSETS:
-        size = caches[0].element_size()
-        _OFFSETS[key] = torch.tensor([(p - key[0]) // size for p in key], device=caches[0].device)
+        size = maps[0].element_size()
+        _OFFSETS[key] = torch.tensor([(p - key[0]) // size for p in key], device=maps[0].device)
     return _OFFSETS[key]
+
+
+def map_args(maps: torch.Tensor | list[torch.Tensor] | None, position: torch.Tensor) -> tuple:
+    """(map, its offsets per token, MAP, OFFSETS) for the kernels: no map (positions are rows), one for every token,
+    or each token its own."""
+    if maps is None:
+        return position, position, False, False
+    if isinstance(maps, list):
+        assert all(m.dtype == torch.int64 and m.shape == maps[0].shape for m in maps)
+        return maps[0], map_offsets(maps), True, True
+    assert maps.dtype == torch.int64
+    return maps, position, True, False
 
 
 _OFFSETS: dict[tuple[int, ...], torch.Tensor] = {}
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor | list[torch.Tensor],
-                     v_cache: torch.Tensor | list[torch.Tensor], position: torch.Tensor, scale: float,
-                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, D]; k_cache, v_cache [C, Hkv, D] (contiguous), one for every token or a list of T of one shape;
-    position: int64 device tensor [T]. Token t attends to its cache's rows 0..position[t] inclusive, or (T = 1) to
-    the cache rows `rows` [S] (int64, -1 for none). Returns [T, Hq, D] in q's dtype, times sigmoid(gate [T, Hq, D],
-    any row and head stride) where given. GQA: query head h reads kv head h // (Hq // Hkv). No host sync: the
-    launch is the same at every position (CUDA-graph safe)."""
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
+                     scale: float, rows: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                     maps: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; k_cache, v_cache [N, Hkv, D] (contiguous); position: int64 device tensor [T]. Token t attends
+    to its positions 0..position[t] inclusive, or (T = 1) to the positions `rows` [S] (int64, -1 for none).
+    Position p is cache row p, or with `maps` (a paged cache: int64 [C], one for every token, or a list of T) row
+    maps[t][p]; C (N without maps) sets the split, so it must not change between steps a graph replays. Returns
+    [T, Hq, D] in q's dtype, times sigmoid(gate [T, Hq, D], any row and head stride) where given. GQA: query head h
+    reads kv head h // (Hq // Hkv). No host sync: the launch is the same at every position (CUDA-graph safe)."""
     from moestream.kernels.triton import decode_attention as kernels
 
     t, hq, d = q.shape
-    ks, vs = (k_cache, v_cache) if isinstance(k_cache, list) else ([k_cache], [v_cache])
-    c, hkv, _ = ks[0].shape
-    assert d in (16, 32, 64, 128, 256) and hq % hkv == 0 and len(ks) in (1, t) and (rows is None or t == 1)
-    assert all(k.shape == ks[0].shape == v.shape and k.is_contiguous() and v.is_contiguous() for k, v in zip(ks, vs))
+    hkv = k_cache.shape[1]
+    assert d in (16, 32, 64, 128, 256) and hq % hkv == 0 and (rows is None or t == 1)
+    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert position.dtype == torch.int64 and position.numel() == t
-    offsets = (row_offsets(ks), row_offsets(vs)) if len(ks) > 1 else (position, position)
+    assert not isinstance(maps, list) or len(maps) == t
+    row_map, offsets, mapped, per_token = map_args(maps, position)
+    c = row_map.shape[-1] if mapped else k_cache.shape[0]
     g = hq // hkv
     entries, block_n, split = (c, BLOCK_N, BLOCK_SPLIT) if rows is None else (rows.shape[0], ROWS_BLOCK_N, ROWS_SPLIT)
     count, length = splits(entries, block_n, split)
@@ -61,9 +75,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor | list[torch.Tensor]
     m = torch.empty(t, hq, count, dtype=torch.float32, device=q.device)
     l = torch.empty(t, hq, count, dtype=torch.float32, device=q.device)
     kernels.decode_attention_split_kernel[(hkv, count, t)](
-        q, ks[0], vs[0], *offsets, position, position if rows is None else rows, acc, m, l,
+        q, k_cache, v_cache, row_map, offsets, position, position if rows is None else rows, acc, m, l,
         scale * math.log2(math.e), entries, HKV=hkv, G=g, D=d, GP=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=block_n, SPLIT_LEN=length, SPLITS=count, ROWS=rows is not None, OFFSETS=len(ks) > 1,
+        BLOCK_N=block_n, SPLIT_LEN=length, SPLITS=count, ROWS=rows is not None, MAP=mapped, OFFSETS=per_token,
         num_warps=4 if d <= 128 else 8)
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     if gate is not None:

@@ -50,10 +50,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm, k_norm, eps: float,
                        zero_centered: bool, cos: torch.Tensor, sin: torch.Tensor, k_cache, v_cache,
-                       position: torch.Tensor) -> torch.Tensor:
-    """Decode tokens' q/k norms, rotary and KV cache writes, into one cache or each token's own
-    (reference.qk_norm_rope_cache)."""
-    args = (qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, zero_centered, cos, sin, k_cache, v_cache, position)
+                       position: torch.Tensor, maps=None) -> torch.Tensor:
+    """Decode tokens' q/k norms, rotary and KV cache writes, in place or through row maps (a paged cache; one for
+    every token, or each token its own) (reference.qk_norm_rope_cache)."""
+    args = (qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, zero_centered, cos, sin, k_cache, v_cache, position,
+            maps)
     if use_triton(qkv.device):
         from moestream.kernels import rowwise
 
@@ -105,14 +106,15 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
 
 
 def decode_attention(q: torch.Tensor, k_cache, v_cache, position: torch.Tensor, scale: float,
-                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Query tokens, each over its cache's rows 0..position (one cache for all, or each its own), or one over the
-    listed `rows`, optionally gated (reference.decode_attention); no host sync on Triton."""
+                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None, maps=None) -> torch.Tensor:
+    """Query tokens, each over its positions 0..position, or one over the listed positions `rows`, in a cache
+    stored in place or paged (row maps: one for every token, or each token its own), optionally gated
+    (reference.decode_attention); no host sync on Triton."""
     if use_triton(q.device):
         from moestream.kernels import decode_attention as kernel
 
-        return kernel.decode_attention(q, k_cache, v_cache, position, scale, rows, gate)
-    return reference.decode_attention(q, k_cache, v_cache, position, scale, rows, gate)
+        return kernel.decode_attention(q, k_cache, v_cache, position, scale, rows, gate, maps)
+    return reference.decode_attention(q, k_cache, v_cache, position, scale, rows, gate, maps)
 
 
 def qsa_block_key(index_keys: torch.Tensor, block_keys: torch.Tensor, raw_key: torch.Tensor, position: torch.Tensor,

@@ -34,12 +34,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
                        k_norm: torch.Tensor | None, eps: float, zero_centered: bool, cos: torch.Tensor,
-                       sin: torch.Tensor, k_cache, v_cache, position: torch.Tensor) -> torch.Tensor:
+                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
+                       maps=None) -> torch.Tensor:
     """Decode tokens' [q | k | v] projection rows qkv [T, width] (q heads may carry a gate half after their query)
     -> q [T, heads, head_dim], RMS-normed (q_norm, k_norm weights, or none) and rotated; token t's k, normed and
-    rotated, and v are written to its caches [capacity, kv_heads, head_dim] (one for all tokens, or lists of T) at
-    row position[t]. A token at a time, as one decode step computes it."""
-    ks, vs = (k_cache, v_cache) if isinstance(k_cache, list) else ([k_cache] * qkv.shape[0], [v_cache] * qkv.shape[0])
+    rotated, and v are written to the caches [rows, kv_heads, head_dim] at its position's row: position[t], or
+    maps[t][position[t]] through row maps (a paged cache: one [C] for all tokens, or a list of T). A token at a time,
+    as one decode step computes it."""
+    at = stored_rows(maps, position)
     kv = kv_heads * head_dim
     out = []
     for t in range(qkv.shape[0]):
@@ -50,10 +52,20 @@ def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: i
             q, k = rms_norm(q, q_norm, eps, zero_centered), rms_norm(k, k_norm, eps, zero_centered)
         rot = cos[t: t + 1], sin[t: t + 1]
         q, k = rotary(q, *rot), rotary(k, *rot)
-        ks[t].index_copy_(0, position[t: t + 1], k)
-        vs[t].index_copy_(0, position[t: t + 1], v)
+        k_cache.index_copy_(0, at[t: t + 1], k)
+        v_cache.index_copy_(0, at[t: t + 1], v)
         out.append(q)
     return torch.cat(out)
+
+
+def stored_rows(maps, positions: torch.Tensor) -> torch.Tensor:
+    """The cache rows of token t's position positions[t] [T]: itself, or through row maps (one for all tokens, or a
+    list of T)."""
+    if maps is None:
+        return positions
+    if isinstance(maps, list):
+        return torch.stack([m[p] for m, p in zip(maps, positions)])
+    return maps[positions]
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -249,21 +261,21 @@ def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
     return gated_rms_norm(out.to(mixed.dtype), z, norm_weight, eps, activation).reshape(t, -1)
 
 
-def decode_attention(q: torch.Tensor, k_cache, v_cache, position: torch.Tensor, scale: float,
-                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Query tokens q [T, Hq, D], token t over rows 0..position[t] of its cache k_cache, v_cache [C, Hkv, D] (one for
-    all tokens, or lists of T), or (T = 1) over the cache rows `rows` [S] where they are >= 0 (QSA's selection);
-    query head h reads kv head h // (Hq // Hkv). Returns [T, Hq, D], times sigmoid(gate [T, Hq, D]) where given
-    (the gated attention's output gate)."""
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
+                     scale: float, rows: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                     maps=None) -> torch.Tensor:
+    """Query tokens q [T, Hq, D], token t over its positions 0..position[t] in the cache k_cache, v_cache
+    [N, Hkv, D], or (T = 1) over the positions `rows` [S] where they are >= 0 (QSA's selection). Position p is row
+    p, or through row maps (a paged cache: one [C] for all tokens, or a list of T) row maps[t][p]. Query head h
+    reads kv head h // (Hq // Hkv). Returns [T, Hq, D], times sigmoid(gate [T, Hq, D]) where given (the gated
+    attention's output gate)."""
     t = q.shape[0]
-    ks, vs = (k_cache, v_cache) if isinstance(k_cache, list) else ([k_cache] * t, [v_cache] * t)
+    row_maps = maps if isinstance(maps, list) else [maps] * t
     out = []
     for i in range(t):
-        if rows is None:
-            n = int(position[i]) + 1
-            k, v, mask = ks[i][:n], vs[i][:n], None
-        else:
-            k, v, mask = ks[i][rows.clamp_min(0)], vs[i][rows.clamp_min(0)], (rows >= 0)[None, None]
+        at = torch.arange(int(position[i]) + 1, device=q.device) if rows is None else rows.clamp_min(0)
+        at = at if row_maps[i] is None else row_maps[i][at]
+        k, v, mask = k_cache[at], v_cache[at], None if rows is None else (rows >= 0)[None, None]
         one = F.scaled_dot_product_attention(q[i: i + 1].transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])

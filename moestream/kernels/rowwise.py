@@ -40,23 +40,23 @@ def _rms_norm(x, residual, weight, eps, zero_centered, group_size=None) -> tuple
 
 def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
                        k_norm: torch.Tensor | None, eps: float, zero_centered: bool, cos: torch.Tensor,
-                       sin: torch.Tensor, k_cache: torch.Tensor | list[torch.Tensor],
-                       v_cache: torch.Tensor | list[torch.Tensor], position: torch.Tensor) -> torch.Tensor:
-    """reference.qk_norm_rope_cache in one launch: T tokens, into one cache or a list of T."""
-    from moestream.kernels.decode_attention import row_offsets
+                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
+                       maps: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
+    """reference.qk_norm_rope_cache in one launch: T tokens, into one cache, in place or through row maps."""
+    from moestream.kernels.decode_attention import map_args
     from moestream.kernels.triton.rowwise import qk_norm_rope_cache_kernel
 
     t = qkv.shape[0]
-    ks, vs = (k_cache, v_cache) if isinstance(k_cache, list) else ([k_cache], [v_cache])
-    offsets = (row_offsets(ks), row_offsets(vs)) if len(ks) > 1 else (position, position)
+    row_map, offsets, mapped, per_token = map_args(maps, position)
     q_width = qkv.shape[-1] - 2 * kv_heads * head_dim
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     qkv = qkv.contiguous()
     qk_norm_rope_cache_kernel[(heads + 2 * kv_heads, t)](
         qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos.contiguous(),
-        sin.contiguous(), q, ks[0], vs[0], position, *offsets, eps, qkv.shape[-1], HEADS=heads, KV_HEADS=kv_heads,
-        D=head_dim, Q_STRIDE=q_width // heads, ROT=cos.shape[-1], BLOCK=triton.next_power_of_2(head_dim),
-        QK_NORM=q_norm is not None, ZERO_CENTERED=zero_centered, OFFSETS=len(ks) > 1, num_warps=1)
+        sin.contiguous(), q, k_cache, v_cache, position, row_map, offsets, eps, qkv.shape[-1], HEADS=heads,
+        KV_HEADS=kv_heads, D=head_dim, Q_STRIDE=q_width // heads, ROT=cos.shape[-1],
+        BLOCK=triton.next_power_of_2(head_dim), QK_NORM=q_norm is not None, ZERO_CENTERED=zero_centered, MAP=mapped,
+        OFFSETS=per_token, num_warps=1)
     return q
 
 

@@ -13,60 +13,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moestream.config import ModelConfig
 from moestream.kernels import ops
 from moestream.layers.context import StepContext
+from moestream.layers.kv import KVCache
 from moestream.layers.linear import Linear, Projections
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import apply_rotary
 from moestream.layers.rows import Batched
-
-
-class KVCache:
-    """One layer's keys and values for one sequence: [capacity, kv_heads, head_dim], grown by doubling."""
-
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 64):
-        self.k = torch.zeros(capacity, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    def reserve(self, capacity: int) -> None:
-        """Grow to hold `capacity` positions (static decode needs buffers that never move)."""
-        if capacity > self.k.shape[0]:
-            extra = capacity - self.k.shape[0]
-            # zeros, not garbage: masked positions still meet V in softmax @ V, and 0 * NaN is NaN
-            self.k = torch.cat([self.k, self.k.new_zeros(extra, *self.k.shape[1:])])
-            self.v = torch.cat([self.v, self.v.new_zeros(extra, *self.v.shape[1:])])
-
-    def make_room(self, end: int) -> None:
-        """Room for rows up to `end`, grown by doubling (eager steps grow one row at a time)."""
-        if end > self.k.shape[0]:
-            self.reserve(max(end, 2 * self.k.shape[0]))
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v [T, kv_heads, head_dim] after the first `length` rows; returns every row up to them. The
-        length moves on with the sequence (`advance`)."""
-        end = self.length + k.shape[0]
-        self.make_room(end)
-        self.k[self.length: end] = k
-        self.v[self.length: end] = v
-        return self.k[:end], self.v[:end]
-
-    def advance(self, rows: int) -> None:
-        self.length += rows
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def load(self, other: KVCache) -> None:
-        """Become `other` (a snapshot, perhaps on the host) in place: a captured graph keeps these buffers."""
-        self.reserve(other.length)
-        self.k[: other.length].copy_(other.k[: other.length])
-        self.v[: other.length].copy_(other.v[: other.length])
-        self.length = other.length
-
-    def snapshot(self) -> KVCache:
-        out = KVCache.__new__(KVCache)
-        out.k, out.v, out.length = self.k[: self.length].clone(), self.v[: self.length].clone(), self.length
-        return out
-
 
 # cuDNN's SDPA (which torch picks on Hopper for some lengths, e.g. multiples of 128) builds and compiles its graph
 # the first time a process uses it: ~0.7 s on the H200's first 512-token prompt. Flash attention (memory-efficient
@@ -152,16 +103,18 @@ class Attention(nn.Module):
         return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)
 
     def _static(self, x: torch.Tensor, rope, positions: torch.Tensor, cache) -> torch.Tensor:
-        """Tokens at device-side `positions` [T] over the reserved cache's rows 0..position, so the shapes never
+        """Tokens at device-side `positions` [T] over the reserved cache's positions 0..position, so the shapes never
         change and the step can be captured in a CUDA graph; several rows (a verify step's over one cache, whose
         rows are all written before any attends; a batched step's, each over its own sequence's cache) in one
         launch each, every row as a decode step computes it."""
         t, qkv = x.shape[0], self.qkv(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered) \
             if self.qk_norm else (None, None, 0.0, False)
-        batched = isinstance(cache, Batched)
-        keys, values = ([c.k for c in cache], [c.v for c in cache]) if batched else (cache.k, cache.v)
-        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *norms, *rope, keys, values,
-                                   positions)
-        out = ops.decode_attention(q, keys, values, positions, self.head_dim ** -0.5, gate=self.gate_heads(qkv))
+        one = cache[0] if isinstance(cache, Batched) else cache
+        assert all(c.store is one.store for c in cache) if isinstance(cache, Batched) else True  # one pool's
+        maps = list(cache.row_map) if isinstance(cache, Batched) else cache.row_map
+        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *norms, *rope, one.k, one.v,
+                                   positions, maps)
+        out = ops.decode_attention(q, one.k, one.v, positions, self.head_dim ** -0.5, gate=self.gate_heads(qkv),
+                                   maps=maps)
         return self.o_proj(out.reshape(t, -1))

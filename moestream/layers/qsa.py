@@ -17,6 +17,7 @@ position, and breaks such ties by the lower block index, since no host decision 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,9 @@ from torch.nn.attention import sdpa_kernel
 
 from moestream.config import ModelConfig
 from moestream.kernels import ops, reference
-from moestream.layers.attention import PREFILL_BACKENDS, Attention, KVCache, causal_attention
+from moestream.layers.attention import PREFILL_BACKENDS, Attention, causal_attention
 from moestream.layers.context import StepContext
+from moestream.layers.kv import KVCache, KVSnapshot
 from moestream.layers.linear import Linear
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import Rotary, apply_rotary
@@ -36,8 +38,9 @@ QUERY_CHUNK_ELEMENTS = 1 << 26  # mask elements (queries x keys) per chunk of a 
 
 
 class QSACache(KVCache):
-    """KV cache plus the indexer's raw key of every position [capacity, Di] and the key of every complete block
-    [capacity // ratio + 1, Di]; the last block row takes a static step's write while its block is incomplete."""
+    """KV cache (paged) plus the indexer's raw key of every position [capacity, Di] and the key of every complete
+    block [capacity // ratio + 1, Di], kept in place; the last block row takes a static step's write while its
+    block is incomplete."""
 
     def __init__(self, kv_heads: int, head_dim: int, index_dim: int, ratio: int, dtype: torch.dtype,
                  device: torch.device, capacity: int = 64):
@@ -48,23 +51,27 @@ class QSACache(KVCache):
 
     def reserve(self, capacity: int) -> None:
         super().reserve(capacity)
-        rows = self.k.shape[0]
+        rows = self.capacity
         self.index_keys = _grown(self.index_keys, rows)
         self.block_keys = _grown(self.block_keys, rows // self.ratio + 1)
 
-    def load(self, other: QSACache) -> None:
+    @torch.inference_mode()  # keys grown in a forward are inference tensors
+    def load(self, other: QSACache | QSASnapshot) -> None:
         super().load(other)
         blocks = other.length // self.ratio
         self.index_keys[: other.length].copy_(other.index_keys[: other.length])
         self.block_keys[:blocks].copy_(other.block_keys[:blocks])
 
-    def snapshot(self) -> QSACache:
-        out = QSACache.__new__(QSACache)
+    def snapshot(self) -> QSASnapshot:
         base = super().snapshot()
-        out.k, out.v, out.length, out.ratio = base.k, base.v, base.length, self.ratio
-        out.index_keys = self.index_keys[: self.length].clone()
-        out.block_keys = self.block_keys[: self.length // self.ratio].clone()
-        return out
+        return QSASnapshot(base.k, base.v, base.length, base.capacity, self.index_keys[: self.length].clone(),
+                           self.block_keys[: self.length // self.ratio].clone())
+
+
+@dataclass
+class QSASnapshot(KVSnapshot):
+    index_keys: torch.Tensor
+    block_keys: torch.Tensor
 
 
 def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -190,10 +197,11 @@ class IndexedAttention(Attention):
             row, at, kv = qkv[r: r + 1], positions[r: r + 1], row_state(cache, r)
             q = ops.qk_norm_rope_cache(row, self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
                                        self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, cos[r: r + 1],
-                                       sin[r: r + 1], kv.k, kv.v, at)
+                                       sin[r: r + 1], kv.k, kv.v, at, kv.row_map)
             index_q = self.indexer.static_step(x, rope, positions, kv, r)
             rows = self.indexer.select_static(index_q, kv.block_keys[:-1], at)
-            out.append(ops.decode_attention(q, kv.k, kv.v, at, self.head_dim ** -0.5, rows, self.gate_heads(row)))
+            out.append(ops.decode_attention(q, kv.k, kv.v, at, self.head_dim ** -0.5, rows, self.gate_heads(row),
+                                            kv.row_map))
         return self.o_proj(torch.cat(out).reshape(x.shape[0], -1))
 
 

@@ -18,6 +18,7 @@ from moestream.config import ModelConfig
 from moestream.layers.attention import Attention
 from moestream.layers.context import StepContext
 from moestream.layers.deltanet import GatedDeltaNet
+from moestream.layers.kv import BlockPool, BlockTable
 from moestream.layers.linear import Linear
 from moestream.layers.mlp import MLP
 from moestream.layers.moe import SparseMoE
@@ -64,12 +65,29 @@ class SequenceState:
 
     @property
     def capacity(self) -> int:
-        """Rows its attention caches hold (static decode attends over all of them)."""
-        return min((c.k.shape[0] for c in self.caches), default=1 << 62)
+        """Positions its attention caches' row maps cover (static decode's shapes follow them)."""
+        return min((c.capacity for c in self.caches), default=1 << 62)
 
     def reserve(self, rows: int) -> None:
         for c in self.caches:
             c.reserve(rows)
+
+    def make_room(self, end: int) -> None:
+        """KV blocks for positions up to `end`."""
+        for c in self.caches:
+            c.make_room(end)
+
+    def share(self, pool: BlockPool) -> None:
+        """Keep its attention caches' rows in `pool`'s stores (one per cache, in order), through one block table."""
+        if self.caches:
+            table = BlockTable(pool, self.caches[0].row_map.device, self.capacity)
+            for cache, store in zip(self.caches, pool.stores):
+                cache.share(store, table)
+
+    def release(self) -> None:
+        """Its KV blocks go back to their pool (the sequence ended)."""
+        for c in self.caches:
+            c.table.release()
 
     def reset(self) -> None:
         """Empty, keeping its buffers (a captured graph reads them)."""

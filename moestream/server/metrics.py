@@ -91,10 +91,15 @@ class _EngineCollector:
                                 value=int(scheduler.prefilling is not None))
         yield GaugeMetricFamily("moestream_sequences_decoding", "sequences in the decode batch",
                                 value=len(scheduler.running))
-        yield GaugeMetricFamily("moestream_kv_rows_in_use", "decode-state rows the running sequences fill",
+        yield GaugeMetricFamily("moestream_kv_rows_in_use", "KV positions the sequences in slots fill",
                                 value=scheduler.rows_in_use())
-        yield GaugeMetricFamily("moestream_kv_rows_reserved", "decode-state rows reserved by the batch slots",
-                                value=scheduler.rows_reserved())
+        kv = self.llm.decoder.kv
+        yield GaugeMetricFamily("moestream_kv_blocks_in_use", "paged KV cache blocks the sequences hold",
+                                value=kv.used if kv is not None else 0)
+        yield GaugeMetricFamily("moestream_kv_blocks", "paged KV cache blocks (grown as needed when unbounded)",
+                                value=kv.blocks if kv is not None else 0)
+        yield GaugeMetricFamily("moestream_kv_blocks_promised", "KV blocks promised to the sequences in slots",
+                                value=scheduler.promised)
         steps = CounterMetricFamily("moestream_decode_steps", "decode steps, by how many sequences they batched",
                                     labels=["batch"])
         for rows, count in sorted(scheduler.batch_rows.items()):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moestream.engine.llm import LLM
+from moestream.errors import RequestError
 from moestream.sampling import SamplingParams
 from tests.conftest import MODEL_TYPES
 from tests.engine.runs import prompt_of
@@ -161,3 +162,23 @@ def test_requests_of_one_prompt_share_its_prefill(tiny, model_type):
         assert llm.scheduler.forked is None  # nothing kept once no waiting request wants it
     finally:
         llm.close()
+
+
+def test_a_bounded_kv_cache_makes_requests_wait_and_never_fails_a_running_one(tiny):
+    """6 blocks of KV for requests that may fill 1-3 each: they wait for blocks, get the tokens each gets alone, and
+    give every block back; a request that could never fit is refused in one line."""
+    llm = LLM(tiny.store("qwen3_next"), device="cpu", kv_tokens=96)
+    try:
+        prompts = _prompts(llm, 6)
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        llm.scheduler.batch_rows.clear()
+        together = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+        kv = llm.stats()["memory"]["kv_cache"]
+        with pytest.raises(RequestError, match="KV positions") as e:
+            llm.generate([prompt_of(llm, 90)], GREEDY)
+        assert "\n" not in str(e.value)
+    finally:
+        llm.close()
+    assert together == alone
+    assert max(llm.scheduler.batch_rows) < 6  # some waited for blocks
+    assert kv == dict(blocks=6, blocks_in_use=0, block_positions=16, bounded=True, promised_blocks=0)

@@ -1,15 +1,22 @@
 """A whole-GPU budget split into parts, the pool getting what is left; budgets that cannot hold a step refused."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from moestream.config import EngineConfig
 from moestream.engine.llm import LLM
 from moestream.engine.loader import load_model
-from moestream.engine.memory import activation_bytes, state_bytes
+from moestream.engine.memory import activation_bytes, kv_row_bytes, slot_bytes
 from moestream.errors import BudgetError, ConfigError
 from moestream.experts.store import open_store
 from moestream.layers.linear import Projections
+
+
+def _kv_bytes(llm: LLM) -> int:
+    """The paged KV pool's bytes: its positions times a position's keys and values in every attention layer."""
+    return llm.engine_config.kv_limit * kv_row_bytes(llm.model.new_state(llm.dtype, torch.device("meta")))
 
 
 def test_the_pool_gets_what_the_other_parts_leave(tiny):
@@ -20,9 +27,10 @@ def test_the_pool_gets_what_the_other_parts_leave(tiny):
         stride, records = llm.provider.pool.stride, llm.provider.geometry.num_records
         assert 0 <= min(plan.pool // stride, records) * stride - memory["pool"] <= stride  # capped at the model
         assert memory["dense"] == plan.dense and memory["ngram_tables"] == 0 and memory["budget"] == 0.7e9
-        one = state_bytes(llm.model, llm.dtype, llm.engine_config.max_context)
-        assert plan.state == llm.engine_config.max_batch * one > 0  # a decode state per batch slot
-        assert memory["decode_state"] == one  # the slots are made as sequences need them
+        one, kv = slot_bytes(llm.model, llm.dtype, llm.engine_config), _kv_bytes(llm)
+        assert plan.state == llm.engine_config.max_batch * one + kv and one > 0 and kv > 0  # a state per slot
+        assert memory["decode_state"] == one + kv  # the slots are made as sequences need them, the KV pool at load
+        assert memory["kv_cache"]["blocks"] * 16 == 2 * llm.engine_config.max_context  # the default under a budget
         assert plan.activations == activation_bytes(llm.config, llm.engine_config.prefill_chunk, llm.dtype)
     finally:
         llm.close()
@@ -38,10 +46,11 @@ def test_the_plan_counts_the_verify_steps_row_copies(tiny):
         for s in state.layers:  # DeltaNet layers, and PLE layers' two states
             for part in (s, getattr(s, "mixer", None), getattr(s, "ple", None)):
                 copies += part.rows.bytes() if getattr(part, "rows", None) is not None else 0
-        one = llm.gpu_plan.state // llm.max_batch  # a decode state per batch slot
-        assert one == state_bytes(model, dtype, llm.engine_config.max_context, 5)
-        assert one - state_bytes(model, dtype, llm.engine_config.max_context) == copies > 0
-        assert llm.stats()["memory"]["decode_state"] == one  # one slot made so far
+        kv = _kv_bytes(llm)
+        one = (llm.gpu_plan.state - kv) // llm.max_batch  # a decode state per batch slot, beside the KV pool
+        assert one == slot_bytes(model, dtype, llm.engine_config)
+        assert one - slot_bytes(model, dtype, dataclasses.replace(llm.engine_config, speculation="off")) == copies > 0
+        assert llm.stats()["memory"]["decode_state"] == one + kv  # one slot made so far
     finally:
         llm.close()
 
@@ -68,8 +77,9 @@ def test_gpu_the_load_stays_within_its_budget(tiny):
     try:
         memory = llm.stats()["memory"]
         assert 0 < memory["peak_allocated"] <= 1e9
-        assert memory["decode_state"] * llm.max_batch == llm.gpu_plan.state  # the plan holds every batch slot's;
-        # the load makes the first slot's, the others as sequences take them
+        one = slot_bytes(llm.model, llm.dtype, llm.engine_config)
+        assert memory["decode_state"] == llm.gpu_plan.state - (llm.max_batch - 1) * one  # the plan holds every
+        # batch slot's and the KV pool; the load makes the first slot's, the others as sequences take them
     finally:
         llm.close()
 

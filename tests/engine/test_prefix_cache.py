@@ -67,12 +67,12 @@ def test_restored_attention_caches_keep_their_capacity(tiny):
     request = llm._submit(ids, GREEDY)
     list(llm._steps(request))
     seq = request.generation.seq
-    capacities = [s.k.shape[0] for s in seq.state.layers]
+    capacities = [c.capacity for c in seq.state.caches]
     state = llm.model.new_state(llm.dtype, llm.device)
     boundary = llm.prefix_cache.restore(ids + [5], state)
     assert boundary == 96 and state.length == 96 and state.tokens == ids[:96]
-    assert [s.k.shape[0] for s in state.layers] == capacities  # as after an uncached prefill of 96 tokens
-    assert all(torch.equal(s.k[:96], r.k[:96]) for s, r in zip(state.layers, seq.state.layers))
+    assert [c.capacity for c in state.caches] == capacities  # as after an uncached prefill of 96 tokens
+    assert all(torch.equal(s.snapshot().k, r.snapshot().k[:96]) for s, r in zip(state.caches, seq.state.caches))
     llm.close()
 
 

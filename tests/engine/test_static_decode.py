@@ -30,7 +30,7 @@ def _compare(llm: LLM, steps: int = 6) -> None:
     # a cache grown past its first capacity is made anew (the capacity sets the attention's split); every
     # sequence after that one gets the same buffers
     again = decoder.new_state()
-    assert again.length == 0 and all(s.k.shape[0] == 64 for s in again.layers if hasattr(s, "k"))
+    assert again.length == 0 and all(c.capacity == 64 for c in again.caches)
     assert decoder.new_state() is again
 
 

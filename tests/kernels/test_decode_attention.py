@@ -70,24 +70,36 @@ def test_cuda_graph_replay_follows_position():
         torch.testing.assert_close(out.float(), want(q, k, v, pos, scale), **TOL)
 
 
+def paged(caches: list[torch.Tensor], seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The caches [C, Hkv, D] scattered over one store's rows in a random order, and each one's row map."""
+    c = caches[0].shape[0]
+    order = torch.randperm(len(caches) * c, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    maps = list(order.view(len(caches), c))
+    store = torch.empty(len(caches) * c, *caches[0].shape[1:], dtype=caches[0].dtype, device=DEVICE)
+    for cache, row_map in zip(caches, maps):
+        store[row_map] = cache
+    return store, maps
+
+
 @pytest.mark.parametrize("hq,hkv,d,c", [(32, 4, 128, 8192), (16, 2, 256, 300), (8, 8, 64, 64)])
-def test_a_batch_of_tokens_over_their_own_caches_has_each_alone_bits(hq, hkv, d, c):
-    """Five tokens, each over its own cache at its own position, in one launch (gated, the gate a strided view as
-    the projection's is): each token's bits are those of its launch alone, and equal the reference."""
+def test_a_batch_of_tokens_over_their_own_paged_caches_has_each_alone_bits(hq, hkv, d, c):
+    """Five tokens, each over its own sequence's positions, scattered through one paged store by its row map, in
+    one launch (gated, the gate a strided view as the projection's is): each token's bits are those of its launch
+    alone over a cache in place, and equal the reference."""
     pytest.importorskip("triton")
     from moestream.kernels import decode_attention
 
     positions = [0, c - 1, c // 3, 5 % c, c // 2]
     cases = [inputs(hq, hkv, d, c, p, seed=i) for i, p in enumerate(positions)]
     q = torch.cat([case[0] for case in cases])
-    ks, vs = [case[1] for case in cases], [case[2] for case in cases]
+    (k, maps), (v, _) = paged([case[1] for case in cases]), paged([case[2] for case in cases])
     pos = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
     wide = torch.randn(5, hq, 2 * d, generator=torch.Generator().manual_seed(9)).to(DEVICE, DTYPE)
     gate = wide[..., d:]
-    got = decode_attention.decode_attention(q, ks, vs, pos, d ** -0.5, gate=gate)
-    for i, (qi, k, v, p) in enumerate(cases):
-        alone = decode_attention.decode_attention(qi, k, v, p, d ** -0.5, gate=gate[i: i + 1])
+    got = decode_attention.decode_attention(q, k, v, pos, d ** -0.5, gate=gate, maps=maps)
+    for i, (qi, ki, vi, p) in enumerate(cases):
+        alone = decode_attention.decode_attention(qi, ki, vi, p, d ** -0.5, gate=gate[i: i + 1])
         assert torch.equal(got[i: i + 1], alone), i
-    expected = reference.decode_attention(q.float(), [k.float() for k in ks], [v.float() for v in vs], pos,
-                                          d ** -0.5, gate=gate.float())
+    expected = reference.decode_attention(q.float(), k.float(), v.float(), pos, d ** -0.5, gate=gate.float(),
+                                          maps=maps)
     torch.testing.assert_close(got.float(), expected, **TOL)

@@ -106,8 +106,9 @@ def test_qk_norm_rope_cache_matches_reference(heads, kv_heads, head_dim, rot, ga
         torch.testing.assert_close(got, ref, equal_nan=True, **tol)  # row 5 written, the others still NaN
 
 
-def test_qk_norm_rope_cache_of_a_batch_writes_each_tokens_own_cache():
-    """Three tokens at their own positions, each into its own caches, in one launch: the bits of each alone."""
+def test_qk_norm_rope_cache_of_a_batch_writes_each_tokens_own_paged_rows():
+    """Three tokens at their own positions, each through its own sequence's row map into one store, in one launch:
+    the bits of each alone into a cache in place, and every other row untouched."""
     pytest.importorskip("triton")
     from moestream.kernels import rowwise
     from moestream.layers.rotary import Rotary
@@ -118,13 +119,15 @@ def test_qk_norm_rope_cache_of_a_batch_writes_each_tokens_own_cache():
     norms = [(torch.randn(head_dim, generator=gen) * 0.1).to(DEVICE, DTYPE) for _ in range(2)]
     position = torch.tensor([5, 0, 8], device=DEVICE)
     cos, sin = (t.to(DEVICE) for t in Rotary(head_dim, 1.0, 1e6).cos_sin(position, DTYPE))
-    caches = [[torch.full((9, kv_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE) for _ in range(3)]
-              for _ in range(4)]
+    maps = list(torch.randperm(27, generator=gen).to(DEVICE).view(3, 9))
+    store = [torch.full((27, kv_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    alone = [[torch.full((9, kv_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE) for _ in range(3)]
+             for _ in range(2)]
     args = (heads, kv_heads, head_dim, *norms, 1e-6, True)
-    q = rowwise.qk_norm_rope_cache(qkv, *args, cos, sin, caches[0], caches[1], position)
+    q = rowwise.qk_norm_rope_cache(qkv, *args, cos, sin, *store, position, maps)
     for t in range(3):
-        one = rowwise.qk_norm_rope_cache(qkv[t: t + 1], *args, cos[t: t + 1], sin[t: t + 1], caches[2][t],
-                                         caches[3][t], position[t: t + 1])
+        one = rowwise.qk_norm_rope_cache(qkv[t: t + 1], *args, cos[t: t + 1], sin[t: t + 1], alone[0][t],
+                                         alone[1][t], position[t: t + 1])
         assert torch.equal(q[t: t + 1], one)
-        for batch, alone in ((caches[0][t], caches[2][t]), (caches[1][t], caches[3][t])):
-            assert torch.equal(batch.nan_to_num(7.0), alone.nan_to_num(7.0))
+        for rows, cache in zip(store, alone):
+            assert torch.equal(rows[maps[t]].nan_to_num(7.0), cache[t].nan_to_num(7.0))

@@ -94,7 +94,8 @@ def test_prefill_then_steps_equals_one_forward(tiny, variant):
     with torch.inference_mode():
         parts = [llm.model.logits(llm.model(ids[:5], state))]  # shorter than the budget: steps cross it
         parts.append(llm.model.logits(llm.model(ids[5:21], state)))
-        copy = state.snapshot()
+        copy = llm.model.new_state(llm.dtype, llm.device)
+        copy.load(state.snapshot())
         for t in range(21, 64):
             parts.append(llm.model.logits(llm.model(ids[t:t + 1], state)))
         resumed = llm.model.logits(llm.model(ids[21:], copy))

@@ -1,29 +1,29 @@
-"""Decode attention, flash-decoding style: query tokens, each over a fixed-size KV cache of which rows
-0..position (read from a device tensor) are live. A split kernel (grid (kv heads, SPLITS, tokens)) runs an online
-softmax over its slice of positions for the G query heads sharing a kv head; a combine kernel (grid
-(query heads, tokens)) merges the SPLITS partials. The grids depend on the cache size alone, so one captured CUDA
-graph serves every step; a token's bits do not depend on how many share the launch."""
+"""Decode attention, flash-decoding style: query tokens, each over a fixed-size KV cache of which positions
+0..position (read from a device tensor) are live, stored in place or at the rows of a paged cache's row map. A
+split kernel (grid (kv heads, SPLITS, tokens)) runs an online softmax over its slice of positions for the G query
+heads sharing a kv head; a combine kernel (grid (query heads, tokens)) merges the SPLITS partials. The grids
+depend on the cache size alone, so one captured CUDA graph serves every step; a token's bits do not depend on how
+many share the launch."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, koff_ptr, voff_ptr, pos_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr,
+def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr,
                                   qk_scale, C, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                                   GP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-                                  SPLITS: tl.constexpr, ROWS: tl.constexpr, OFFSETS: tl.constexpr):
+                                  SPLITS: tl.constexpr, ROWS: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr):
     """Partials of split s for kv head hk and query token t: acc [G, D] = sum_n p_n v_n, m = max score,
     l = sum_n p_n, with scores in log2 units (qk_scale = scale * log2(e)). An empty split leaves m = -inf, l = 0,
-    acc = 0. Token t's cache starts koff[t] / voff[t] elements past k_ptr / v_ptr with OFFSETS (a batch's rows,
-    each its own sequence's cache), else at them; its position is pos[t]. With ROWS, the positions are the C
-    entries of rows_ptr (cache rows, -1 for none) instead of 0..position."""
+    acc = 0. With MAP, position p is stored at row map[p] (a paged cache), token t's map starting moff[t] elements
+    past map_ptr with OFFSETS (a batch's rows, each its own sequence's map); else at row p. Token t's position is
+    pos[t]. With ROWS, the positions are the C entries of rows_ptr (-1 for none) instead of 0..position."""
     hk = tl.program_id(0)
     s = tl.program_id(1)
     t = tl.program_id(2)
     if OFFSETS:
-        k_ptr += tl.load(koff_ptr + t)
-        v_ptr += tl.load(voff_ptr + t)
+        map_ptr += tl.load(moff_ptr + t)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     # GP >= 16 rows so tl.dot applies; rows past G are zero queries whose results are never stored
@@ -41,6 +41,8 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, koff_ptr, voff_ptr, pos_p
         if ROWS:
             n = tl.load(rows_ptr + n, mask=live, other=-1)
             live = n >= 0
+        if MAP:
+            n = tl.load(map_ptr + n, mask=live, other=0)
         rows = n.to(tl.int64)[:, None] * (HKV * D) + hk * D + d[None, :]
         # masked loads: rows past `position` may hold anything (even NaN) and must never be read
         k = tl.load(k_ptr + rows, mask=live[:, None], other=0.0)

@@ -88,23 +88,25 @@ def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, BLOCK: tl.co
 
 @triton.jit
 def qk_norm_rope_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
-                              koff_ptr, voff_ptr, eps, QKV_ROW, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                              map_ptr, moff_ptr, eps, QKV_ROW, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                               D: tl.constexpr, Q_STRIDE: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
-                              QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, OFFSETS: tl.constexpr):
+                              QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, MAP: tl.constexpr,
+                              OFFSETS: tl.constexpr):
     """Decode tokens' attention glue, program (h, t) = one head of token t's fused [q | k | v] projection row
     (QKV_ROW apart): q heads (every Q_STRIDE, gate halves skipped) and k heads are RMS-normed (QK_NORM) and rotated
-    into q / the cache row at pos[t]; v heads are copied there. With OFFSETS token t's caches start koff[t] /
-    voff[t] elements past the pointers (a batch's rows, each its own sequence's). Rounds where rms_norm and rotary
-    round."""
+    into q / the cache row of position pos[t]; v heads are copied there. With MAP that row is map[pos[t]] (a paged
+    cache), token t's map starting moff[t] elements past map_ptr with OFFSETS (a batch's rows, each its own
+    sequence's map). Rounds where rms_norm and rotary round."""
     h, t = tl.program_id(0), tl.program_id(1)
     pos = tl.load(pos_ptr + t)
+    if OFFSETS:
+        map_ptr += tl.load(moff_ptr + t)
+    if MAP:
+        pos = tl.load(map_ptr + pos)
     qkv_ptr += t * QKV_ROW
     cos_ptr += t * ROT
     sin_ptr += t * ROT
     q_ptr += t * HEADS * D
-    if OFFSETS:
-        k_cache_ptr += tl.load(koff_ptr + t)
-        v_cache_ptr += tl.load(voff_ptr + t)
     d = tl.arange(0, BLOCK)
     inside = d < D
     dt = qkv_ptr.dtype.element_ty
