@@ -1,16 +1,16 @@
 """Decode steps: one token (or a verify step's few) through the model's own forward.
 
-On CUDA a step has static shapes: attention over a cache reserved to `max_context` rows masked by a device-side
-position, recurrent states updated in place, experts one tile per routing entry, host work it needs (a PLE table's
-rows on disk) staged before it. When every expert record is addressable without a host decision (all in the GPU
-pool, or the rest read in place from the pinned host tier) the step is a CUDA graph of that forward, captured once
-(at load) over the decoder's own sequence state, which every new sequence reuses; otherwise the step runs eagerly,
-routing each layer through the host. Both give the same bits, so the output does not depend on what was resident.
-A verify step (speculative decoding) is the same static step over k+1 rows, one graph per row count, whose rows
-have the bits of single steps; the caller keeps a prefix of them (`SequenceState.accept`). A batched step is the
-same static step over one row of each of several sequences (`step_batch`), each row on its own sequence's state;
-the decoder keeps one state per batch slot, and a batch of the first n slots replays its own graph. On the CPU a
-step is the plain eager forward, or the static one where verify or batched steps are wanted.
+On CUDA a step has static shapes: attention over a paged cache whose row map covers `max_context` positions, masked
+by a device-side position, recurrent states updated in place, experts one tile per routing entry, host work it needs
+(a PLE table's rows on disk) staged before it. When every expert record is addressable without a host decision (all
+in the GPU pool, or the rest read in place from the pinned host tier) the step is a CUDA graph of that forward,
+captured once (at load) over the decoder's own sequence state, which every new sequence reuses; otherwise the step
+runs eagerly, routing each layer through the host. Both give the same bits, so the output does not depend on what
+was resident. A verify step (speculative decoding) is the same static step over k+1 rows, one graph per row count,
+whose rows have the bits of single steps; the caller keeps a prefix of them (`SequenceState.accept`). A batched step
+is the same static step over one row of each of several sequences (`step_batch`), each row on its own sequence's
+state; the decoder keeps one state per batch slot, and a batch of the first n slots replays its own graph. On the
+CPU a step is the plain eager forward, or the static one where verify or batched steps are wanted.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ class Decoder:
         return self.slots[slot]
 
     def move(self, source: int, target: int) -> SequenceState:
-        """Slot `source`'s sequence moved to slot `target` (a copy of its used rows); returns its state there."""
+        """Slot `source`'s sequence moved to slot `target` (its KV blocks handed over, its recurrent states
+        copied); returns its state there."""
         state = self.new_state(target)
         state.load(self.slots[source])
         return state

@@ -3,7 +3,7 @@ are prefilled a chunk per step between those steps, so a long prompt delays the 
 
 Running sequences hold the decoder's first batch slots, so the batch's graph (one per size) replays over the same
 buffers whatever sequences they hold; the one prompt being prefilled holds the slot after them. A sequence that
-ends leaves at once, and the last running one moves into its slot (a copy of its used rows). A row's bits do not
+ends leaves at once, and the last running one moves into its slot (its KV blocks handed over). A row's bits do not
 depend on the batch (engine/decode.py), nor a prompt's chunks on what else runs, so a request's tokens are the
 ones it gets alone. One sequence alone steps on its own, with drafts when speculation is on (several step
 together without them); MTP drafting (the head keeps one sequence's cache) and the PLE tables' disk tier (their
