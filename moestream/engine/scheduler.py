@@ -177,10 +177,10 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finished, request.finish_reason = True, reason
-        if request.generation is not None and request.promised:  # it held a slot: its KV blocks go back
+        if request.generation is not None:  # it held a slot: its KV blocks go back
             request.generation.seq.state.release()
-            self.promised -= request.promised
-            request.promised = 0
+        self.promised -= request.promised
+        request.promised = 0
         if request is self.prefilling:
             self.prefilling = None
         elif request in self.running:

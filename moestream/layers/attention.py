@@ -110,9 +110,10 @@ class Attention(nn.Module):
         t, qkv = x.shape[0], self.qkv(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered) \
             if self.qk_norm else (None, None, 0.0, False)
-        one = cache[0] if isinstance(cache, Batched) else cache
-        assert all(c.store is one.store for c in cache) if isinstance(cache, Batched) else True  # one pool's
-        maps = list(cache.row_map) if isinstance(cache, Batched) else cache.row_map
+        one, maps = cache, cache.row_map
+        if isinstance(cache, Batched):  # the slots' caches share their pool's store; each row has its own map
+            one, maps = cache[0], list(maps)
+            assert all(c.store is one.store for c in cache)
         q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *norms, *rope, one.k, one.v,
                                    positions, maps)
         out = ops.decode_attention(q, one.k, one.v, positions, self.head_dim ** -0.5, gate=self.gate_heads(qkv),

@@ -37,9 +37,6 @@ class KVRows:
         self.k = torch.cat([self.k, self.k.new_zeros(extra, *self.k.shape[1:])])
         self.v = torch.cat([self.v, self.v.new_zeros(extra, *self.v.shape[1:])])
 
-    def bytes_per_row(self) -> int:
-        return 2 * self.k[0].numel() * self.k.element_size()
-
 
 class BlockPool:
     """The blocks of a set of stores (one per attention layer; block b is rows b * BLOCK_ROWS.. of each)."""
