@@ -95,7 +95,7 @@ build('$WORK/q12', 'qwen3-30b', layers=12, sparse=('q4',))" > "$OUT/q12.log" 2>&
       mkdir -p /tmp/base && tar xzf .device/base.tgz -C /tmp/base && cp -r benchmarks /tmp/base/
       for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
         (cd "$tree" && PYTHONPATH="$tree" timeout 120 python -m benchmarks.probes.e2e "$WORK/q12" --prefill --fracs 1.0 \
-          --warm 2>&1 | grep -i "prefill" | sed "s|^|$(basename "$tree"): |" | tee -a "$OUT/ab-prefill.log")
+          --warm --no-profile 2>&1 | grep -i "prefill" | sed "s|^|$(basename "$tree"): |" | tee -a "$OUT/ab-prefill.log")
       done ;;
     gemv) timeout 120 python -m benchmarks.probes.gemv 2>&1 | tee "$OUT/gemv.log" ;;
     e2e) e2e 300 e2e --decode --prefill ;;

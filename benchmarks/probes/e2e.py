@@ -138,14 +138,15 @@ def summarize(path: str) -> dict:
 
 def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0,
                  warm: bool = False, trace: str | None = None, ring_group: int = ExpertConfig.ring_group,
-                 ring_lookahead: bool = ExpertConfig.ring_lookahead) -> list[dict]:
+                 ring_lookahead: bool = ExpertConfig.ring_lookahead, profile: bool = True) -> list[dict]:
     """With `warm`, each prompt runs once first so the host tier holds what the measured run misses; with
-    `trace` (a folder), the measured run's timeline is saved there and summarized in the row."""
+    `trace` (a folder), the measured run's timeline is saved there and summarized in the row. Without `profile`,
+    no per-layer timings: a resident layer then groups its entries on the device, as in use."""
     s = open_store(store)
     total_gb = s.manifest.geometry.num_records * s.manifest.layouts["q4"].stride / 1e9
     rows = []
     for frac in fracs:
-        llm = LLM(store, device="cuda", pool_gb=total_gb * frac, host_gb=host_gb, profile=True, preload=False,
+        llm = LLM(store, device="cuda", pool_gb=total_gb * frac, host_gb=host_gb, profile=profile, preload=False,
                   ring_group=ring_group, ring_lookahead=ring_lookahead)
         for n in lengths:
             ids = prompt(n, llm.config.vocab_size, seed=n)
@@ -191,6 +192,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="break graphed and eager decode steps, and a graphed run's prefill of 4096, down by kernel")
     p.add_argument("--trace", action="store_true", help="save each measured prefill's host + GPU timeline")
+    p.add_argument("--no-profile", action="store_true",
+                   help="prefill: no per-layer timings (which need the host's grouping of a resident layer)")
     p.add_argument("--ring-groups", default=str(ExpertConfig.ring_group),
                    help="prefill: experts per ring batch, one run each (e.g. 8,16)")
     p.add_argument("--ring-lookahead", default="on" if ExpertConfig.ring_lookahead else "off",
@@ -205,7 +208,8 @@ def main() -> None:
         data["prefill"] = [r for early in args.ring_lookahead.split(",") for group in args.ring_groups.split(",")
                            for r in prefill_runs(args.store, [float(f) for f in args.fracs.split(",")],
                                                  [int(n) for n in args.lengths.split(",")], args.host_gb, args.warm,
-                                                 out_dir("e2e") if args.trace else None, int(group), early == "on")]
+                                                 out_dir("e2e") if args.trace else None, int(group), early == "on",
+                                                 not args.no_profile)]
         table += [["prefill", f"pool {r['pool_frac']:.0%}, {r['prompt']} tokens, group {r['ring_group']}"
                    f"{', early ring' if r['ring_lookahead'] else ''}",
                    f"{r['prefill_tok_s']:.0f} tok/s",

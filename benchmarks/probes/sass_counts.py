@@ -19,9 +19,9 @@ import tempfile
 GEOMETRY = dict(H=2048, I=768, GROUP=64, BITS=4)
 KERNELS = {
     "prefill-gate-up": ("expert_mlp", "gate_up_kernel",
-                        dict(TOP_K=8, BM=256, BN=128, BK=64, SWAP=1, JOIN=1)),
+                        dict(TOP_K=8, BM=256, BN=128, BK=64, SWAP=1, JOIN=1, SPARSE=0)),
     "prefill-down": ("expert_mlp", "down_kernel",
-                     dict(BM=256, BN=128, BK=64, SWAP=1)),
+                     dict(BM=256, BN=128, BK=64, SWAP=1, SPARSE=0)),
     "decode-gate-up": ("expert_gemv", "gate_up_gemv_kernel",
                        dict(TOP_K=8, BN=8, BK=2048, SPAN=2048, AHEAD=0, PDL=1, INDIRECT=1, SELECT=0, TAIL1=0, TAIL2=0)),
     "decode-down": ("expert_gemv", "down_gemv_kernel",

@@ -67,6 +67,15 @@ class AddressTable:
             self.valid = self._build()
         return self.addresses if self.valid else None
 
+    def placed(self, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s device addresses by expert id when every record of the model is in the GPU pool at one
+        precision, landed (a prefill step then groups its entries on the device), else None."""
+        res = self.res
+        if res.pool.resident < res.geometry.num_records or res.miss != res.base:
+            return None
+        table = self.table()
+        return None if table is None else table[layer]
+
     def _build(self) -> bool:
         res = self.res
         g, pool, host, stride = res.geometry, res.pool, res.host, res.pool.stride

@@ -86,6 +86,18 @@ class AddressedExperts:
 
 
 @dataclass(frozen=True)
+class PlacedExperts:
+    """A prefill step with every record of its layer in the GPU pool at `table[e]` (the layer's addresses by expert
+    id): grouped and tiled on the device, so the host never waits for the routing. ids [T * top_k]; `uses` [E]
+    int32 (device) gains 1 for each expert the step uses, counted by the residency later."""
+
+    table: torch.Tensor
+    ids: torch.Tensor
+    layout: RecordLayout
+    uses: torch.Tensor
+
+
+@dataclass(frozen=True)
 class RemoteExperts:
     """The entries other ranks computed, summed into the step's outputs by `join(out)` (experts/sharding.py)."""
 

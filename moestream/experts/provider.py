@@ -24,7 +24,7 @@ import torch
 from moestream.config import ExpertConfig
 from moestream.experts.addresses import AddressTable
 from moestream.experts.decode import DecodePath
-from moestream.experts.grouping import AddressedExperts, ExpertBatch, batch_of, group_by_expert
+from moestream.experts.grouping import AddressedExperts, ExpertBatch, PlacedExperts, batch_of, group_by_expert
 from moestream.experts.residency import Residency
 from moestream.experts.ring import RingAhead, RingPath
 from moestream.experts.store import Store
@@ -76,6 +76,9 @@ class ExpertProvider:
                                    staging)
             return
         res = self.residency
+        if ids.shape[0] >= self.cfg.prefill_min_rows and (placed := self._placed(layer)) is not None:
+            yield PlacedExperts(placed, ids.reshape(-1), self.layout, res.placed_uses(layer))
+            return
         res.flush()  # count earlier addressed steps before this step changes residency
         if res.trace is not None:
             res.trace.step(layer, ids.tolist())
@@ -86,6 +89,14 @@ class ExpertProvider:
             step.ahead = yield from self.ring.batches(layer, g, ahead)
         else:
             yield from self.decode.batches(layer, g, x)
+
+    def _placed(self, layer: int) -> torch.Tensor | None:
+        """The layer's addresses when a prefill step may group on the device (PlacedExperts): the whole
+        model in the pool, and no rank share, trace or per-layer profile, which need the host's grouping."""
+        res = self.residency
+        if self.shard is not None or res.trace is not None or res.profiler.enabled:
+            return None
+        return self.addresses.placed(layer)
 
     def _scratch_parts(self, ids: torch.Tensor) -> Iterator[ExpertBatch]:
         """The step's experts, grouped as a real step groups them, each computed from one zeroed record at each

@@ -49,6 +49,8 @@ class Residency:
         self.profiler = Profiler(cfg.profile and self.device.cuda)
         self.changed = True  # pool residency changed since the address table was built (addresses.py)
         self._addressed: list[torch.Tensor] = []  # expert ids of steps read by address, not counted yet
+        self._placed_uses: torch.Tensor | None = None  # [layers, experts] int32 (device): placed steps' uses
+        self._placed = False  # whether it holds uses not counted yet
         self.trace = None  # a stats.trace.RoutingTrace while routing is recorded (the provider's `trace`)
 
     # -- counting -------------------------------------------------------------------------------------
@@ -94,10 +96,22 @@ class Residency:
         if len(self._addressed) >= 256:
             self.flush()
 
+    def placed_uses(self, layer: int) -> torch.Tensor:
+        """Where a placed prefill step of `layer` (every record in the pool, grouped on the device: PlacedExperts)
+        adds 1 for each expert it uses, counted by `flush` as the ring counts a resident step."""
+        if self._placed_uses is None:
+            g = self.geometry
+            self._placed_uses = torch.zeros(g.num_layers, g.num_experts, dtype=torch.int32, device=self.device.device)
+        self.stats.at(layer, self.base).prefill_steps += 1
+        self._placed = True
+        return self._placed_uses[layer]
+
     def flush(self) -> None:
         """Count the noted steps against the current residency: before it can change and before the counters are
         read. A step looks each expert up once for all of its rows (the union); a pool record is a hit, any other
         a miss read in place from the host tier, as the table points."""
+        if self._placed:
+            self._count_placed()
         noted, self._addressed = self._addressed, []
         if self.host is not None and any(r.shape[1] > self.top_k for r in noted):
             # batched steps staged host records in the ring's slots (AddressTable.staging): copies wait for them
@@ -110,6 +124,17 @@ class Residency:
                 runs.append([routed])
         for run in runs:
             self._count_addressed(torch.stack(run, 1).cpu().transpose(0, 1))
+
+    @torch.inference_mode()  # the uses were made in a forward: an inference tensor
+    def _count_placed(self) -> None:
+        """Placed prefill steps: every expert used was a lookup and a pool hit at the base precision."""
+        uses = self._placed_uses.tolist()
+        self._placed_uses.zero_()
+        self._placed = False
+        for layer, used in enumerate(uses):
+            if n := sum(used):
+                self._count_hits(layer, self.base, n)
+                self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], used)]
 
     def _count_addressed(self, ids: torch.Tensor) -> None:
         """ids [steps, layers, rows * top_k]."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.experts.format import RecordLayout
-from moestream.experts.grouping import AddressedExperts
+from moestream.experts.grouping import AddressedExperts, PlacedExperts
 from moestream.kernels.launch import dependent, options
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "expert_mlp.json")
@@ -143,9 +143,10 @@ def _chunks(k: int, bk: int, masked_tail: int) -> dict:
 
 def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, tile_addr: torch.Tensor,
                    tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, top_k: int,
-                   h: torch.Tensor | None = None, cfg: TileConfig | None = None) -> None:
+                   h: torch.Tensor | None = None, cfg: TileConfig | None = None, sparse: bool = False) -> None:
     """Tile i: up to `bm` entries entries[tile_start[i]:][:tile_count[i]] of the expert at tile_addr[i], as
-    tensor-core GEMMs over dequantized weight tiles. x [T, H]; out [T * top_k, H]."""
+    tensor-core GEMMs over dequantized weight tiles. x [T, H]; out [T * top_k, H]. `sparse`: tiles of no entries
+    may be among them (their programs exit)."""
     from moestream.kernels.triton.expert_mlp import down_kernel, gate_up_kernel
 
     cfg = cfg or tile_config("prefill", layout)
@@ -157,12 +158,12 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
     gate_up_kernel[(tiles, inter * (1 + join) // cfg.bn_gate_up)](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"],
         o["up_w"], o["up_h"], o["up_s"], o["up_b"], code_mask, H=hidden, I=inter, TOP_K=top_k, BITS=bits,
-        GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, SWAP=cfg.swap, JOIN=join, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        GROUP=group, BM=cfg.bm, BN=cfg.bn_gate_up, BK=cfg.bk_gate_up, SWAP=cfg.swap, JOIN=join, SPARSE=sparse,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     down_kernel[(tiles, hidden // cfg.bn_down)](
         h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_h"], o["down_s"], o["down_b"],
         code_mask, H=hidden, I=inter, BITS=bits, GROUP=group, BM=cfg.bm, BN=cfg.bn_down, BK=cfg.bk_down,
-        SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWAP=cfg.swap, SPARSE=sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _code_mask(bits: int) -> int:
@@ -222,6 +223,34 @@ def prefill_tiles(spans: list[tuple[int, int]], addrs: list[int], cfg: TileConfi
 @functools.cache  # a ring batch asks per launch; dataclasses.replace costs ~7 us
 def _tails_of(cfg: TileConfig) -> TileConfig:
     return dataclasses.replace(cfg, bm=cfg.tail_bm)
+
+
+def placed(x: torch.Tensor, part: PlacedExperts, top_k: int, out: torch.Tensor, phase: str) -> None:
+    """A step with every record of its layer in the GPU pool: `grouped`'s tiles (so its bits), built on the device
+    from a stable sort of the entries' experts, so the host never waits for the routing."""
+    cfg = tile_config("prefill", part.layout)
+    full, tail = tile_tables(part.ids, part.table, part.uses, cfg.bm, cfg.tail_bm)  # counts the uses too
+    if phase == "decode":  # one tile per entry, as graph mode's
+        launch_decode(x, out, _identity(part.ids.shape[0], x.device), part.table, part.layout, top_k, records=part.ids)
+        return
+    order = torch.argsort(part.ids, stable=True)
+    launch_prefill(x, out, order, *full, part.layout, top_k, cfg=cfg, sparse=True)
+    if cfg.tail_bm:
+        launch_prefill(x, out, order, *tail, part.layout, top_k, cfg=_tails_of(cfg), sparse=True)
+
+
+def tile_tables(ids: torch.Tensor, table: torch.Tensor, uses: torch.Tensor, bm: int,
+                tail_bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.placed_tiles in one launch."""
+    from moestream.kernels.triton.expert_tiles import tile_tables_kernel
+
+    experts, n = table.shape[0], ids.shape[0]
+    block = max(32, 1 << (experts - 1).bit_length())  # the histogram's bins are split over a warp's lanes
+    full = torch.empty(3, n // bm + experts, dtype=torch.int64, device=ids.device)
+    tail = torch.empty(3, experts, dtype=torch.int64, device=ids.device)
+    tile_tables_kernel[(1,)](ids, table, uses, full, tail, n, full.shape[1], E=experts, BLOCK_E=block, CHUNK=1024,
+                             BM=bm, TAIL_BM=tail_bm, TILES=max(8, 8192 // block), num_warps=4)
+    return full, tail
 
 
 def _gathered(spans: list[tuple[int, int]], order: torch.Tensor) -> torch.Tensor:

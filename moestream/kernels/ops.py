@@ -10,7 +10,7 @@ import os
 import torch
 
 from moestream.experts.format import NgramLayout
-from moestream.experts.grouping import AddressedExperts, ExpertBatch, RemoteExperts
+from moestream.experts.grouping import AddressedExperts, ExpertBatch, PlacedExperts, RemoteExperts
 from moestream.kernels import reference
 
 DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config; their rows' bits do
@@ -182,18 +182,23 @@ def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
     return reference.deltanet_step(*args)
 
 
-def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts | RemoteExperts, top_k: int,
+def expert_part(x: torch.Tensor, part: ExpertBatch | AddressedExperts | PlacedExperts | RemoteExperts, top_k: int,
                 out: torch.Tensor) -> None:
     """Unweighted outputs of the routing entries a provider part covers, into `out` [T * top_k, H] (entry
     e = row * top_k + k): a batch's experts over their entries order[a:b] (`spans`), records in buffer slots;
-    every entry with its record at `table[ids[e]]` (a layer's device addresses by expert id; CUDA only); or the
-    entries other ranks computed, joined into `out`."""
+    every entry with its record at `table[ids[e]]` (a layer's device addresses by expert id; CUDA only), or grouped
+    on the device when they are its every record (PlacedExperts; CUDA only); or the entries other ranks computed,
+    joined into `out`."""
     if isinstance(part, RemoteExperts):
         part.join(out)
     elif isinstance(part, AddressedExperts):
         from moestream.kernels import expert_mlp
 
         expert_mlp.per_entry(x, part, top_k, out)
+    elif isinstance(part, PlacedExperts):
+        from moestream.kernels import expert_mlp
+
+        expert_mlp.placed(x, part, top_k, out, expert_phase(x.shape[0]))
     elif use_triton(x.device):
         from moestream.kernels import expert_mlp
 

@@ -370,3 +370,28 @@ def stage_plan(table: torch.Tensor, ids: torch.Tensor, host_base: int, host_end:
                 staged[e], sources[rank] = slot_base + rank * slot_stride, src
             rank += 1
     return staged, sources
+
+
+def placed_tiles(ids: torch.Tensor, table: torch.Tensor, uses: torch.Tensor, bm: int,
+                 tail_bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full [3, N // bm + E], tail [3, E]) tile rows (address, first position, count) over ids [N] (the expert of
+    each flat routing entry), as `expert_mlp.prefill_tiles` splits each expert's entries in their stable sort:
+    full-height tiles experts in id order, then empty ones; expert e's last tile of at most `tail_bm` entries in
+    tail column e (count 0: none; tail_bm < bm). uses [E] gains 1 for each expert used."""
+    experts = table.shape[0]
+    counts = torch.bincount(ids, minlength=experts)
+    offsets = counts.cumsum(0) - counts
+    tail = torch.stack([table, offsets + counts // bm * bm, torch.zeros_like(offsets)]).to(torch.int64)
+    full: list[tuple[int, int, int]] = []
+    for e, (count, offset) in enumerate(zip(counts.tolist(), offsets.tolist())):
+        for m0 in range(0, count, bm):
+            n = min(bm, count - m0)
+            if n <= tail_bm:
+                tail[2, e] = n
+            else:
+                full.append((int(table[e]), offset + m0, n))
+    rows = torch.zeros(3, ids.shape[0] // bm + experts, dtype=torch.int64)
+    if full:
+        rows[:, : len(full)] = torch.tensor(full, dtype=torch.int64).T
+    uses += (counts > 0).to(uses.dtype)
+    return rows.to(ids.device), tail

@@ -171,6 +171,35 @@ def test_preload_puts_every_record_where_it_stays(tiny):
         llm.close()
 
 
+@pytest.mark.gpu
+def test_gpu_a_placed_prefill_counts_what_the_hosts_grouping_counts(tiny, monkeypatch):
+    """With every record in the pool, a prefill step groups its entries on the device (PlacedExperts) and is counted
+    later, as the host's grouping (which a routing trace needs) counts it, with the same logits."""
+    from moestream.kernels import ops
+
+    kinds, expert_part = Counter(), ops.expert_part
+    monkeypatch.setattr(ops, "expert_part", lambda x, part, *a: (kinds.update([type(part).__name__]),
+                                                                 expert_part(x, part, *a)))
+    runs = []
+    for trace in (False, True):
+        llm = LLM(tiny.store("qwen3_moe"), device="cuda", dtype="bfloat16", warm=False)
+        try:
+            if trace:
+                llm.provider.trace([])
+            kinds.clear()
+            out = llm.generate([prompt_of(llm, 40)], SamplingParams(max_tokens=1, prompt_logprobs=3))[0]
+            runs.append((dict(kinds), out.prompt_logprobs, llm.stats()))
+            layers = llm.provider.geometry.num_layers
+        finally:
+            llm.close()
+    (placed, logprobs, stats), (host, host_logprobs, host_stats) = runs
+    assert placed == {"PlacedExperts": layers} and "PlacedExperts" not in host
+    assert logprobs == host_logprobs
+    keys = ("lookups", "hits", "misses", "reads", "prefill_steps")
+    assert {k: stats["totals"]["q4"][k] for k in keys} == {k: host_stats["totals"]["q4"][k] for k in keys}
+    assert [e["uses"] for e in stats["experts"]] == [e["uses"] for e in host_stats["experts"]]
+
+
 def test_prefill_fills_never_leave_another_layer_short(tiny):
     """A decode leaves the pool uneven across layers; a prefill's fills then take free slots and those of layers
     above their share, never a layer's last `share` records (which its own prefill step would fetch again)."""

@@ -154,8 +154,13 @@ def _joined_gate_up(x_ptr, h_ptr, base, pos, valid, row, off_gw, off_gh, off_gs,
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                    off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us, off_ub, code_mask,
                    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, JOIN: tl.constexpr):
-    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile (JOIN: `_joined_gate_up`)."""
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, JOIN: tl.constexpr,
+                   SPARSE: tl.constexpr):
+    """h[p, :] = silu(x[row] @ gate.T) * (x[row] @ up.T) for the entries p of each tile (JOIN: `_joined_gate_up`;
+    SPARSE: a tile of no entries exits)."""
+    if SPARSE:
+        if tl.load(tile_count_ptr + tl.program_id(0)) == 0:
+            return
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     row = entry // TOP_K
     if JOIN:
@@ -185,8 +190,11 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
                 off_dw, off_dh, off_ds, off_db, code_mask,
                 H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):
-    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics)."""
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, SPARSE: tl.constexpr):
+    """y[entry, :] = h[p, :] @ down.T, written once per routing entry (no atomics; SPARSE as gate_up_kernel's)."""
+    if SPARSE:
+        if tl.load(tile_count_ptr + tl.program_id(0)) == 0:
+            return
     base, pos, valid, entry = _tile(entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     acc = _rows_by_weight(h_ptr, pos, valid, base, base, off_dw, off_dh, off_ds, off_db, n, code_mask, I, BITS, GROUP,
