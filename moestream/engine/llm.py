@@ -113,6 +113,8 @@ class LLM:
         self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts,
                                max_batch=self.max_batch, kv_tokens=cfg.kv_limit)
         self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk)
+        kv = self.decoder.kv
+        self.kv_positions = kv.blocks * BLOCK_ROWS if kv is not None and kv.bounded else None  # None: it grows
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \
             if cfg.speculation == "mtp" and cfg.max_drafts else None
         self._tokenizer = self._grammars = None
@@ -222,6 +224,17 @@ class LLM:
         """The longest sequence the model was made for (its config's max_position_embeddings), or None."""
         raw = self.config.raw
         return raw.get("max_position_embeddings") or raw.get("text_config", {}).get("max_position_embeddings")
+
+    def room(self, prompt_tokens: int) -> tuple[int, str] | None:
+        """The most tokens a request with a prompt of `prompt_tokens` may ask for, and the limit that sets it (the
+        model's context, or a bounded KV cache's positions beside the prompt and any drafts); None: no limit."""
+        limits = []
+        if (context := self.context_length) is not None:
+            limits.append((context - prompt_tokens, f"this model's context is {context} tokens"))
+        if (positions := self.kv_positions) is not None:
+            limits.append((positions - prompt_tokens - self.engine_config.max_drafts,
+                           f"this engine's KV cache holds {positions} positions a sequence (--kv-tokens)"))
+        return min(limits, default=None)
 
     def _submit(self, ids: list[int], params: SamplingParams, cancelled=None) -> Request:
         """Queue a request for `ids` (refused now, in one line, when it is not one this model can answer); its answer

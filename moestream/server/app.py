@@ -360,13 +360,14 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                      sum(o.stats["timings"]["cached_tokens"] for o in firsts))
 
     def fit_context(prompt_tokens: int, params, explicit: bool, param: str):
-        """Refuse a prompt (plus explicit max_tokens) past the context; trim a default max_tokens to fit."""
-        if context_length is None:
+        """Refuse a prompt (plus explicit max_tokens) past the context or the KV cache; trim a default max_tokens to
+        fit."""
+        if (limit := llm.room(prompt_tokens)) is None:
             return params
-        room = context_length - prompt_tokens
+        room, why = limit
         if room < 1 or (explicit and params.max_tokens > room):
-            raise APIError(400, f"this model's context is {context_length} tokens; the prompt has {prompt_tokens} "
-                           f"and {params.max_tokens} more were asked for", param=param, code="context_length_exceeded")
+            raise APIError(400, f"{why}; the prompt has {prompt_tokens} and {params.max_tokens} more were asked for",
+                           param=param, code="context_length_exceeded")
         return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
 
     @app.post("/tokenize")

@@ -73,8 +73,10 @@ def serve():
     """serve(store, server settings..., llm options...) -> a RunningServer, closed after the test."""
     servers = []
 
-    def start(store: str, *, prefix_cache_mb: float = 0.0, max_batch: int = 16, **settings) -> RunningServer:
-        llm = LLM(store, device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=prefix_cache_mb, max_batch=max_batch)
+    def start(store: str, *, prefix_cache_mb: float = 0.0, max_batch: int = 16, kv_tokens: int | None = None,
+              **settings) -> RunningServer:
+        llm = LLM(store, device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=prefix_cache_mb, max_batch=max_batch,
+                  kv_tokens=kv_tokens)
         servers.append(RunningServer(llm, **settings))
         return servers[-1]
 

@@ -116,3 +116,19 @@ def test_unknown_route_and_method(server):
         assert_error(http.get("/v1/nothing"), 404)
         assert_error(http.get("/v1/chat/completions"), 405)
         assert_serves(http)
+
+
+def test_a_bounded_kv_cache_trims_a_default_max_tokens_and_refuses_an_explicit_one(serve, store):
+    """With --kv-tokens, a chat request without max_tokens is answered within what the cache holds beside its prompt
+    (as a default is trimmed to the model's context); an explicit max_tokens past it is a 400 naming --kv-tokens."""
+    server = serve(store, kv_tokens=64, max_tokens_limit=4096)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there, how are you?"}]}
+    with server.http() as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= 64
+        error = assert_error(http.post("/v1/chat/completions", json={**body, "max_tokens": 60}), 400, "messages",
+                             "context_length_exceeded")
+        assert "--kv-tokens" in error["message"]
+        assert_serves(http)
