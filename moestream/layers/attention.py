@@ -98,9 +98,18 @@ class Attention(nn.Module):
                 ctx: StepContext) -> torch.Tensor:
         if ctx.static:
             return self._static(x, rope, ctx.positions, cache)
-        q, k, v, gate = self.project(x, rope)
-        keys, values = cache.append(k, v)
-        return self.finish(causal_attention(q, keys, values, self.head_dim ** -0.5), gate)
+        end = cache.length + x.shape[0]
+        cache.make_room(end)
+        qkv = self.qkv(x)  # norms, rotary and the cache rows in one launch, as a decode step writes them
+        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *self._norms(), *rope, cache.k,
+                                   cache.v, ctx.positions, cache.row_map)
+        return self.finish(causal_attention(q, *cache.keys_values(end), self.head_dim ** -0.5), self.gate_of(qkv))
+
+    def _norms(self) -> tuple:
+        """qk_norm_rope_cache's (q norm, k norm, eps, zero-centred) arguments."""
+        if not self.qk_norm:
+            return None, None, 0.0, False
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered
 
     def _static(self, x: torch.Tensor, rope, positions: torch.Tensor, cache) -> torch.Tensor:
         """Tokens at device-side `positions` [T] over the reserved cache's positions 0..position, so the shapes never
@@ -108,14 +117,12 @@ class Attention(nn.Module):
         rows are all written before any attends; a batched step's, each over its own sequence's cache) in one
         launch each, every row as a decode step computes it."""
         t, qkv = x.shape[0], self.qkv(x)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered) \
-            if self.qk_norm else (None, None, 0.0, False)
         one, maps = cache, cache.row_map
         if isinstance(cache, Batched):  # the slots' caches share their pool's store; each row has its own map
             one, maps = cache[0], list(maps)
             assert all(c.store is one.store for c in cache)
-        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *norms, *rope, one.k, one.v,
-                                   positions, maps)
+        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *self._norms(), *rope, one.k,
+                                   one.v, positions, maps)
         out = ops.decode_attention(q, one.k, one.v, positions, self.head_dim ** -0.5, gate=self.gate_heads(qkv),
                                    maps=maps)
         return self.o_proj(out.reshape(t, -1))

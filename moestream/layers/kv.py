@@ -180,6 +180,10 @@ class KVCache:
         self.store.v.index_copy_(0, at, v)
         if start == 0:  # a whole prompt: its own rows, the bits the store now holds
             return k, v
+        return self.keys_values(end)
+
+    def keys_values(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of positions 0..end, in order."""
         every = self.row_map[:end]
         return self.store.k[every], self.store.v[every]
 
