@@ -31,7 +31,7 @@ from moestream.errors import BudgetError, ConfigError, MoestreamError, RequestEr
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
 from moestream.layers.context import StepContext
-from moestream.layers.kv import BLOCK_ROWS, blocks_for
+from moestream.layers.kv import BLOCK_ROWS
 from moestream.models import model_class
 from moestream.sampling import SamplingParams
 
@@ -246,11 +246,9 @@ class LLM:
                 raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, context - len(ids)))
         rows = len(ids) + params.max_tokens + self.engine_config.max_drafts  # the most positions it may fill
-        kv = self.decoder.kv
-        if kv is not None and kv.bounded and blocks_for(rows) > kv.blocks:
+        if self.kv_positions is not None and rows > self.kv_positions:
             raise RequestError(f"the prompt's {len(ids)} tokens and max_tokens {params.max_tokens} need up to "
-                               f"{rows} KV positions; this engine's KV cache holds {kv.blocks * BLOCK_ROWS} "
-                               "(--kv-tokens)")
+                               f"{rows} KV positions; this engine's KV cache holds {self.kv_positions} (--kv-tokens)")
         return self.scheduler.submit(Request(lambda slot: self._open(ids, params, slot), cancelled, tuple(ids),
                                              rows=rows))
 

@@ -195,8 +195,7 @@ class IndexedAttention(Attention):
         out = []
         for r in range(x.shape[0]):
             row, at, kv = qkv[r: r + 1], positions[r: r + 1], row_state(cache, r)
-            q = ops.qk_norm_rope_cache(row, self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
-                                       self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, cos[r: r + 1],
+            q = ops.qk_norm_rope_cache(row, self.heads, self.kv_heads, self.head_dim, *self._norms(), cos[r: r + 1],
                                        sin[r: r + 1], kv.k, kv.v, at, kv.row_map)
             index_q = self.indexer.static_step(x, rope, positions, kv, r)
             rows = self.indexer.select_static(index_q, kv.block_keys[:-1], at)
