@@ -113,8 +113,9 @@ class Generation:
             return []
         self.prompt_logits = self.model.logits(hidden[-1:])[0]  # the last row alone: its bits whatever came with it
         t.prompt_tokens = len(seq.prompt)
-        t.prefill_seconds += time.perf_counter() - tic
-        return self._first()
+        steps = self._first()
+        t.prefill_seconds += self._decode_start - tic  # the first pick reads its token back: the GPU's work is in
+        return steps
 
     @property
     def can_fork(self) -> bool:
