@@ -75,10 +75,13 @@ class Generation:
     carries the finish reason."""
 
     def __init__(self, model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
-                 on_boundary=None, speculator: Speculator | None = None, constraint=None):
+                 on_boundary=None, speculator: Speculator | None = None, constraint=None, forward=None):
         """`constraint`: the grammar `seq.params.structure` asks for (engine/grammar.py). A constrained sequence, or
-        one whose log probabilities are asked for, runs no drafts."""
+        one whose log probabilities are asked for, runs no drafts. `forward(ids, state, whole) -> hidden rows` feeds
+        a prompt chunk (engine/prefill.py's Prefiller, told whether it is the whole prompt; default the eager
+        forward)."""
         self.model, self.seq, self.eos, self.chunk, self.device = model, seq, eos, chunk, device
+        self.forward = forward or (lambda ids, state, whole: model(torch.tensor(ids, device=device), state))
         self.on_boundary = on_boundary
         self.speculator = speculator if constraint is None and seq.params.logprobs is None else None
         self.sampler = Sampler(seq.params, device, constraint)
@@ -99,11 +102,10 @@ class Generation:
         """Feed the prompt up to its next chunk boundary (`chunk_end`); after the last, the first token."""
         seq, state, t = self.seq, self.seq.state, self.seq.timings
         tic = time.perf_counter()
-        stop = chunk_end(state.length, len(seq.prompt), self.chunk)
-        piece = torch.tensor(seq.prompt[state.length: stop], dtype=torch.long, device=self.device)
-        hidden = self.model(piece, state)
+        start, stop = state.length, chunk_end(state.length, len(seq.prompt), self.chunk)
+        hidden = self.forward(seq.prompt[start: stop], state, start == 0 and stop == len(seq.prompt))
         if seq.params.prompt_logprobs is not None:
-            self._prompt_logprobs(hidden, seq.prompt[stop - len(piece) + 1: stop + 1])
+            self._prompt_logprobs(hidden, seq.prompt[start + 1: stop + 1])
         if self.speculator is not None:
             self.speculator.hidden(hidden)
         if self.on_boundary is not None and stop % self.chunk == 0:

@@ -23,6 +23,7 @@ from moestream.engine.decode import Decoder
 from moestream.engine.drafting import HeadDecoder, HeadDrafts
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.memory import activation_bytes, dense_bytes, kv_row_bytes, plan_gpu, state_bytes
+from moestream.engine.prefill import Prefiller
 from moestream.engine.prefix_cache import PrefixCache
 from moestream.engine.scheduler import Request, Scheduler
 from moestream.engine.speculation import Depth, SpecStats, Speculator
@@ -113,6 +114,8 @@ class LLM:
         self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts,
                                max_batch=self.max_batch, kv_tokens=cfg.kv_limit)
         self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk)
+        self.prefiller = Prefiller(self.model, self.provider, self.decoder, self.device, self.dtype,
+                                   graphs=cfg.decode_mode == "graph")
         kv = self.decoder.kv
         self.kv_positions = kv.blocks * BLOCK_ROWS if kv is not None and kv.bounded else None  # None: it grows
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \
@@ -177,6 +180,7 @@ class LLM:
                 ctx = StepContext.eager(0, len(ids), self.device, ExpertStep(scratch=True))
                 self.model(ids.to(self.device), state, ctx)
             self.decoder.warm()
+            self.prefiller.warm()
             if self.head is not None:
                 self.head.warm()
             if self.provider.pool.resident == self.provider.geometry.num_records:
@@ -245,7 +249,8 @@ class LLM:
             if len(ids) >= context:
                 raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, context - len(ids)))
-        rows = len(ids) + params.max_tokens + self.engine_config.max_drafts  # the most positions it may fill
+        # the most positions it may fill: its prompt's padded forward's, or its answer's end
+        rows = max(self.prefiller.rows(len(ids)), len(ids) + params.max_tokens + self.engine_config.max_drafts)
         if self.kv_positions is not None and rows > self.kv_positions:
             raise RequestError(f"the prompt's {len(ids)} tokens and max_tokens {params.max_tokens} need up to "
                                f"{rows} KV positions; this engine's KV cache holds {self.kv_positions} (--kv-tokens)")
@@ -267,7 +272,8 @@ class LLM:
             speculator = Speculator(self.depth, self.spec_stats, seq.prompt, head)
         constraint = self.grammars.constraint(params.structure) if params.structure is not None else None
         return gen.Generation(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
-                              self.prefix_cache.insert if self.prefix_cache else None, speculator, constraint)
+                              self.prefix_cache.insert if self.prefix_cache else None, speculator, constraint,
+                              self.prefiller)
 
     def step(self) -> None:
         """One engine step (engine/scheduler.py): prompts admitted and prefilled, a token for each running

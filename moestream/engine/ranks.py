@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
-from moestream.experts.provider import ExpertProvider, ExpertStep
-from moestream.experts.sharding import CALL, STOP, Shard, ShardedProvider, header, join
+from moestream.experts.provider import ExpertProvider, ExpertStep, Padding
+from moestream.experts.sharding import CALL, HEADER, STOP, Shard, ShardedProvider, header, join
 from moestream.experts.store import open_store
 from moestream.kernels import ops
 
@@ -99,10 +99,10 @@ def serve(provider: ExpertProvider, control, device: torch.device, hidden_size: 
           dtype: torch.dtype) -> None:
     """Rank > 0: compute this rank's entries of each MoE layer step rank 0 broadcasts, and answer its calls, until
     it stops the loop. The collectives' order mirrors ShardedProvider's."""
-    header = torch.zeros(4, dtype=torch.int64)
+    header = torch.zeros(HEADER, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0, group=control)
-        op, layer, rows, scratch = header.tolist()
+        op, layer, rows, scratch, own = header.tolist()
         if op == STOP:
             return
         if op == CALL:
@@ -115,8 +115,9 @@ def serve(provider: ExpertProvider, control, device: torch.device, hidden_size: 
         ids = torch.empty(rows, top_k, dtype=torch.int64, device=device)
         dist.broadcast(x, 0)
         dist.broadcast(ids, 0)
-        y = x.new_empty(rows * top_k, hidden_size)
-        for part in provider.parts(layer, ids, x, ExpertStep(scratch=bool(scratch))):
+        padding = Padding(own, torch.tensor([own * top_k], device=device)) if own else None
+        y = x.new_empty(rows * top_k, hidden_size) if padding is None else x.new_zeros(rows * top_k, hidden_size)
+        for part in provider.parts(layer, ids, x, ExpertStep(scratch=bool(scratch), padding=padding)):
             ops.expert_part(x, part, top_k, y)
         join(y, ids, provider.keep)
 

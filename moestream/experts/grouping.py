@@ -89,12 +89,14 @@ class AddressedExperts:
 class PlacedExperts:
     """A prefill step with every record of its layer in the GPU pool at `table[e]` (the layer's addresses by expert
     id): grouped and tiled on the device, so the host never waits for the routing. ids [T * top_k]; `uses` [E]
-    int32 (device) gains 1 for each expert the step uses, counted by the residency later."""
+    int32 (device) gains 1 for each expert the step uses, counted by the residency later; `entries` [1] (device): a
+    padded prompt's own entries, the first ones, the only ones computed."""
 
     table: torch.Tensor
     ids: torch.Tensor
     layout: RecordLayout
     uses: torch.Tensor
+    entries: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -34,16 +34,28 @@ if TYPE_CHECKING:
     from moestream.experts.sharding import Shard
 
 
+@dataclass(frozen=True)
+class Padding:
+    """A prompt's forward padded to a fixed row count (engine/prefill.py): its first `rows` rows are its own (a host
+    int, which a replayed graph never reads), their routing entries `entries` [1] int64 on the device. The other
+    rows' entries are computed by no expert; their outputs stay zero."""
+
+    rows: int
+    entries: torch.Tensor
+
+
 @dataclass
 class ExpertStep:
     """The expert subsystem's view of one forward step, made by the engine and passed down to every MoE layer.
     `addresses` [layers, experts]: read records in place (and write the routers' ids to `routed` [layers, rows *
-    top_k], counted after the step); `ahead`: the early ring fetches one layer makes for the next."""
+    top_k], counted after the step); `ahead`: the early ring fetches one layer makes for the next; `padding`: a
+    padded prompt's (only its own rows' entries are computed and traced)."""
 
     addresses: torch.Tensor | None = None
     routed: torch.Tensor | None = None
     ahead: RingAhead | None = None
     scratch: bool = False
+    padding: Padding | None = None
 
 
 class ExpertProvider:
@@ -75,17 +87,20 @@ class ExpertProvider:
             yield AddressedExperts(step.addresses[layer], ids.reshape(-1), self.layout, self.addresses.low_bit(layer),
                                    staging)
             return
-        res = self.residency
-        if ids.shape[0] >= self.cfg.prefill_min_rows and (placed := self._placed(layer)) is not None:
-            yield PlacedExperts(placed, ids.reshape(-1), self.layout, res.placed_uses(layer))
+        res, rows, pad = self.residency, ids.shape[0], step.padding
+        if rows >= self.cfg.prefill_min_rows and (placed := self._placed(layer)) is not None:
+            yield PlacedExperts(placed, ids.reshape(-1), self.layout, res.placed_uses(layer),
+                                pad.entries if pad is not None else None)
             return
+        if pad is not None:  # the host groups the prompt's own rows alone; the step's size still picks its path
+            ids, x = ids[: pad.rows], x[: pad.rows]
         res.flush()  # count earlier addressed steps before this step changes residency
         if res.trace is not None:
-            res.trace.step(layer, ids.tolist())
+            res.trace.step(layer, ids.tolist(), rows)
         g = group_by_expert(ids, self.geometry.num_experts, self.keep)
         res.pool.new_step()
         ahead, step.ahead = step.ahead, None  # good for the next layer's ring step only
-        if ids.shape[0] >= self.cfg.prefill_min_rows or len(g.experts) > res.pool.num_slots:
+        if rows >= self.cfg.prefill_min_rows or len(g.experts) > res.pool.num_slots:
             step.ahead = yield from self.ring.batches(layer, g, ahead)
         else:
             yield from self.decode.batches(layer, g, x)
@@ -97,6 +112,16 @@ class ExpertProvider:
         if self.shard is not None or res.trace is not None or res.profiler.enabled:
             return None
         return self.addresses.placed(layer)
+
+    def placed_prefill(self, rows: int) -> bool:
+        """Whether a prefill step of `rows` rows groups on the device in every layer now (PlacedExperts): no host
+        decision, so such a forward can be captured."""
+        return rows >= self.cfg.prefill_min_rows and self._placed(0) is not None
+
+    def note_placed(self, layers: list[int]) -> None:
+        """A replayed graph ran placed prefill steps of these layers (their uses counted on the device)."""
+        for layer in layers:
+            self.residency.note_placed(layer)
 
     def _scratch_parts(self, ids: torch.Tensor) -> Iterator[ExpertBatch]:
         """The step's experts, grouped as a real step groups them, each computed from one zeroed record at each

@@ -43,7 +43,7 @@ def engine(trace: Trace, slots: int, lookahead: bool = False, preloaded: bool = 
             if slot is not None:
                 pool.pin(slot)
         hits += sum(f is not None for f in found)
-        if len(s.rows) >= trace.prefill_min_rows or len(experts) > slots:
+        if s.size >= trace.prefill_min_rows or len(experts) > slots:
             idle, spare, room, share = pool.ring_room(s.layer, set(experts), sum(f is not None for f in found),
                                                       trace.layers, n)
             plan = plan_ring([counts[e] for e in experts], rids, found, [True] * len(rids), idle, spare, room,

@@ -102,9 +102,13 @@ class Residency:
         if self._placed_uses is None:
             g = self.geometry
             self._placed_uses = torch.zeros(g.num_layers, g.num_experts, dtype=torch.int32, device=self.device.device)
+        self.note_placed(layer)
+        return self._placed_uses[layer]
+
+    def note_placed(self, layer: int) -> None:
+        """A placed prefill step of `layer` ran (a replayed graph's too): its uses are counted at the next flush."""
         self.stats.at(layer, self.base).prefill_steps += 1
         self._placed = True
-        return self._placed_uses[layer]
 
     def flush(self) -> None:
         """Count the noted steps against the current residency: before it can change and before the counters are

@@ -49,7 +49,7 @@ class ShardedProvider(ExpertProvider):
 
     def parts(self, layer: int, ids: torch.Tensor, x: torch.Tensor, step: ExpertStep):
         ids = ids.to(torch.int64).contiguous()
-        self._header(STEP, layer, ids.shape[0], int(step.scratch))
+        self._header(STEP, layer, ids.shape[0], int(step.scratch), step.padding.rows if step.padding else 0)
         dist.broadcast(x.contiguous(), 0)
         dist.broadcast(ids, 0)
         yield from super().parts(layer, ids, x, step)
@@ -96,13 +96,17 @@ class ShardedProvider(ExpertProvider):
         finally:
             self.call("restore_counters")
 
-    def _header(self, op: int, layer: int = 0, rows: int = 0, scratch: int = 0) -> None:
-        header(self.control, op, layer, rows, scratch)
+    def _header(self, op: int, layer: int = 0, rows: int = 0, scratch: int = 0, own: int = 0) -> None:
+        header(self.control, op, layer, rows, scratch, own)
 
 
-def header(control, op: int, layer: int = 0, rows: int = 0, scratch: int = 0) -> None:
-    """Rank 0 tells the others what comes next (STOP, a layer STEP of `rows` rows, a CALL)."""
-    dist.broadcast(torch.tensor([op, layer, rows, scratch]), 0, group=control)
+HEADER = 5  # ints a header broadcasts
+
+
+def header(control, op: int, layer: int = 0, rows: int = 0, scratch: int = 0, own: int = 0) -> None:
+    """Rank 0 tells the others what comes next (STOP, a layer STEP of `rows` rows, of which the first `own` are a
+    padded prompt's own (0: not padded), a CALL)."""
+    dist.broadcast(torch.tensor([op, layer, rows, scratch, own]), 0, group=control)
 
 
 def _sum(values: list):

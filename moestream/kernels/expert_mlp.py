@@ -229,8 +229,9 @@ def placed(x: torch.Tensor, part: PlacedExperts, top_k: int, out: torch.Tensor, 
     """A step with every record of its layer in the GPU pool: `grouped`'s tiles (so its bits), built on the device
     from a stable sort of the entries' experts, so the host never waits for the routing."""
     cfg = tile_config("prefill", part.layout)
-    full, tail = tile_tables(part.ids, part.table, part.uses, cfg.bm, cfg.tail_bm)  # counts the uses too
-    if phase == "decode":  # one tile per entry, as graph mode's
+    full, tail = tile_tables(part.ids, part.table, part.uses, cfg.bm, cfg.tail_bm, part.entries)  # and the uses
+    if phase == "decode":  # one tile per entry, as graph mode's (never padded: a padded prompt has 32+ rows)
+        assert part.entries is None
         launch_decode(x, out, _identity(part.ids.shape[0], x.device), part.table, part.layout, top_k, records=part.ids)
         return
     order = torch.argsort(part.ids, stable=True)
@@ -239,17 +240,18 @@ def placed(x: torch.Tensor, part: PlacedExperts, top_k: int, out: torch.Tensor, 
         launch_prefill(x, out, order, *tail, part.layout, top_k, cfg=_tails_of(cfg), sparse=True)
 
 
-def tile_tables(ids: torch.Tensor, table: torch.Tensor, uses: torch.Tensor, bm: int,
-                tail_bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.placed_tiles in one launch."""
+def tile_tables(ids: torch.Tensor, table: torch.Tensor, uses: torch.Tensor, bm: int, tail_bm: int,
+                entries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.placed_tiles in one launch; `entries` [1] (device): how many of the first entries are tiled."""
     from moestream.kernels.triton.expert_tiles import tile_tables_kernel
 
     experts, n = table.shape[0], ids.shape[0]
     block = max(32, 1 << (experts - 1).bit_length())  # the histogram's bins are split over a warp's lanes
     full = torch.empty(3, n // bm + experts, dtype=torch.int64, device=ids.device)
     tail = torch.empty(3, experts, dtype=torch.int64, device=ids.device)
-    tile_tables_kernel[(1,)](ids, table, uses, full, tail, n, full.shape[1], E=experts, BLOCK_E=block, CHUNK=1024,
-                             BM=bm, TAIL_BM=tail_bm, TILES=max(8, 8192 // block), num_warps=4)
+    tile_tables_kernel[(1,)](ids, table, uses, full, tail, ids if entries is None else entries, n, full.shape[1],
+                             E=experts, BLOCK_E=block, CHUNK=1024, BM=bm, TAIL_BM=tail_bm, TILES=max(8, 8192 // block),
+                             PADDED=entries is not None, num_warps=4)
     return full, tail
 
 

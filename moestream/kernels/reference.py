@@ -372,15 +372,17 @@ def stage_plan(table: torch.Tensor, ids: torch.Tensor, host_base: int, host_end:
     return staged, sources
 
 
-def placed_tiles(ids: torch.Tensor, table: torch.Tensor, uses: torch.Tensor, bm: int,
-                 tail_bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+def placed_tiles(ids: torch.Tensor, table: torch.Tensor, uses: torch.Tensor, bm: int, tail_bm: int,
+                 entries: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(full [3, N // bm + E], tail [3, E]) tile rows (address, first position, count) over ids [N] (the expert of
     each flat routing entry), as `expert_mlp.prefill_tiles` splits each expert's entries in their stable sort:
     full-height tiles experts in id order, then empty ones; expert e's last tile of at most `tail_bm` entries in
-    tail column e (count 0: none; tail_bm < bm). uses [E] gains 1 for each expert used."""
+    tail column e (count 0: none; tail_bm < bm). uses [E] gains 1 for each expert used. `entries`: only the first
+    ones are tiled (a padded prompt's own; the stable sort keeps them ahead of the rest of their expert's)."""
     experts = table.shape[0]
-    counts = torch.bincount(ids, minlength=experts)
-    offsets = counts.cumsum(0) - counts
+    every = torch.bincount(ids, minlength=experts)
+    counts = every if entries is None else torch.bincount(ids[:entries], minlength=experts)
+    offsets = every.cumsum(0) - every
     tail = torch.stack([table, offsets + counts // bm * bm, torch.zeros_like(offsets)]).to(torch.int64)
     full: list[tuple[int, int, int]] = []
     for e, (count, offset) in enumerate(zip(counts.tolist(), offsets.tolist())):

@@ -191,6 +191,12 @@ class CausalLM(nn.Module):
         for module in self._stagers:
             module.stage_step(tokens, token)
 
+    @functools.cached_property
+    def pads_prompts(self) -> bool:
+        """Whether rows after a prompt's own change nothing of them (layers/context.py Padding): causal attention in
+        every layer, and nothing carried along the rows (no DeltaNet state, PLE context or hyper-connection)."""
+        return type(self.model) is Backbone and all(type(layer.mixer) is Attention for layer in self.model.layers)
+
     def moe_blocks(self, mtp: bool = False) -> list[SparseMoE]:
         """The trunk's MoE blocks in layer order (the decode step's), then the MTP head's with `mtp`."""
         heads = (self.mtp,) if mtp and hasattr(self, "mtp") else ()

@@ -5,8 +5,9 @@ record layers, experts per layer, the model's top-k, and the row count from whic
 prefill ring). Then one line per (layer, token), in the order the engine ran them:
 `{"layer": L, "position": P, "step": S, "phase": "prefill"|"decode", "experts": [top_k ids]}`. `position` counts
 the tokens layer L has processed; the lines of one layer step (one forward's rows at that layer) are consecutive
-and share `step`, layer L's step count; `phase` is "prefill" for a step of more than one row. The last sampled
-token is never fed back, so a request writes (prompt + generated - 1) x layers lines.
+and share `step`, layer L's step count; `phase` is "prefill" for a step of more than one row. A prompt's forward
+padded to a fixed size (engine/prefill.py) writes its own rows, each line with `"rows"`: the forward's. The last
+sampled token is never fed back, so a request writes (prompt + generated - 1) x layers lines.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ class RoutingTrace:
         else:
             self.sink.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def step(self, layer: int, rows: list[list[int]]) -> None:
-        """One layer step: `rows` [T][top_k] expert ids."""
-        phase = "prefill" if len(rows) > 1 else "decode"
+    def step(self, layer: int, rows: list[list[int]], forward_rows: int | None = None) -> None:
+        """One layer step: `rows` [T][top_k] expert ids, of a forward of `forward_rows` rows (default T)."""
+        forward_rows = forward_rows or len(rows)
+        phase = "prefill" if forward_rows > 1 else "decode"
+        padded = {"rows": forward_rows} if forward_rows != len(rows) else {}
         for experts in rows:
             self._emit({"layer": layer, "position": self.positions[layer], "step": self.steps[layer],
-                        "phase": phase, "experts": [int(e) for e in experts]})
+                        "phase": phase, "experts": [int(e) for e in experts], **padded})
             self.positions[layer] += 1
         self.steps[layer] += 1
 
@@ -49,6 +52,12 @@ class LayerStep:
     phase: str
     position: int  # of the first row
     rows: list[list[int]]  # [T][top_k]
+    forward_rows: int | None = None  # a padded forward's rows (None: T)
+
+    @property
+    def size(self) -> int:
+        """The rows the step's forward ran."""
+        return self.forward_rows or len(self.rows)
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ def parse(lines) -> Trace:
     for rec in it:
         k = (rec["layer"], rec["step"])
         if k != key:
-            steps.append(LayerStep(rec["layer"], rec["phase"], rec["position"], []))
+            steps.append(LayerStep(rec["layer"], rec["phase"], rec["position"], [], rec.get("rows")))
             key = k
         steps[-1].rows.append(list(rec["experts"]))
     return Trace(head["layers"], head["experts"], head["top_k"], head["prefill_min_rows"], steps)

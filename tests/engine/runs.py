@@ -9,9 +9,10 @@ from moestream.engine.llm import LLM
 
 @torch.inference_mode()
 def greedy_trace(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """Prefill `prompt`, then `steps` greedy tokens; returns (tokens, logits of every position [T+steps, V])."""
+    """Prefill `prompt` as a request does, then `steps` greedy tokens; returns (tokens, logits of every position
+    [T+steps, V])."""
     state = llm.decoder.new_state()  # on the GPU the decoder's own: its graph replays
-    logits = [llm.model.logits(llm.model(torch.tensor(prompt, device=llm.device), state))]
+    logits = [llm.model.logits(llm.prefiller(prompt, state))]  # padded, or a CUDA graph, as a request's
     tokens = []
     for _ in range(steps):
         token = int(torch.argmax(logits[-1][-1]))

@@ -50,6 +50,20 @@ def test_placed_tiles_are_the_hosts(bm, tail_bm, skew):
     assert uses.tolist() == [int(e in used) for e in range(experts)]
 
 
+def test_a_padded_steps_tiles_are_its_own_entries():
+    """With `entries`, only the first entries are tiled, at their places in the stable sort of them all (each
+    expert's own entries ahead of the padded ones)."""
+    experts, top_k, real = 6, 2, 37
+    ids = _routing(64, top_k, experts, seed=5)
+    table = torch.arange(experts, dtype=torch.int64) + 100
+    full, tail = reference.placed_tiles(ids, table, torch.zeros(experts, dtype=torch.int32), 8, 2,
+                                        entries=real * top_k)
+    order = torch.argsort(ids, stable=True)
+    tiled = sorted(int(order[start + m]) for _, start, count in (*_tiles(full, tail)[0], *_tiles(full, tail)[1])
+                   for m in range(count))
+    assert tiled == list(range(real * top_k))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,top_k,experts", [(40, 2, 8), (512, 8, 128), (4096, 8, 128), (700, 10, 512)])
 @pytest.mark.parametrize("skew", [False, True])
@@ -59,11 +73,12 @@ def test_tile_tables_kernel_matches_reference(rows, top_k, experts, skew):
 
     ids = _routing(rows, top_k, experts, seed=rows, skew=skew)
     table = torch.randint(1, 2**40, (experts,), dtype=torch.int64)
-    for bm, tail_bm in ((256, 64), (128, 0), (64, 32)):
+    for bm, tail_bm, entries in ((256, 64, None), (128, 0, None), (64, 32, None), (256, 64, rows * top_k // 3)):
         want_uses = torch.full((experts,), 3, dtype=torch.int32)
-        want = reference.placed_tiles(ids, table, want_uses, bm, tail_bm)
+        want = reference.placed_tiles(ids, table, want_uses, bm, tail_bm, entries)
         uses = torch.full((experts,), 3, dtype=torch.int32, device="cuda")
-        got = tile_tables(ids.cuda(), table.cuda(), uses, bm, tail_bm)
+        real = None if entries is None else torch.tensor([entries], device="cuda")
+        got = tile_tables(ids.cuda(), table.cuda(), uses, bm, tail_bm, real)
         for w, g in zip(want, got):
             assert torch.equal(w, g.cpu()), (bm, tail_bm)
         assert torch.equal(uses.cpu(), want_uses)

@@ -6,20 +6,31 @@ import triton.language as tl
 
 
 @triton.jit
-def tile_tables_kernel(ids_ptr, table_ptr, uses_ptr, full_ptr, tail_ptr, n, max_full, E: tl.constexpr,
+def tile_tables_kernel(ids_ptr, table_ptr, uses_ptr, full_ptr, tail_ptr, real_ptr, n, max_full, E: tl.constexpr,
                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, TAIL_BM: tl.constexpr,
-                       TILES: tl.constexpr):
+                       TILES: tl.constexpr, PADDED: tl.constexpr):
     """One program. ids[:n]: the expert of each flat routing entry, whose stable sort puts expert e's entries at
     offsets[e]. full [3, max_full]: address, first position and count of each full-height tile, experts in id order
     (count 0 past the last); tail [3, E]: expert e's last tile of at most TAIL_BM entries (count 0: none), as
-    `prefill_tiles` splits them. uses[e] += 1 for each expert the entries use."""
+    `prefill_tiles` splits them. uses[e] += 1 for each expert the entries use. PADDED: only the first real[0]
+    entries are tiled (a padded prompt's own, which the sort keeps ahead of the others of their expert)."""
     e = tl.arange(0, BLOCK_E)
+    every = tl.zeros([BLOCK_E], dtype=tl.int32)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    if PADDED:
+        real = tl.load(real_ptr)
+    else:
+        real = n
     for c0 in range(0, n, CHUNK):
         i = c0 + tl.arange(0, CHUNK)
         live = i < n
-        counts += tl.histogram(tl.load(ids_ptr + i, mask=live, other=0).to(tl.int32), BLOCK_E, mask=live)
-    offsets = tl.cumsum(counts, 0) - counts
+        expert = tl.load(ids_ptr + i, mask=live, other=0).to(tl.int32)
+        counts += tl.histogram(expert, BLOCK_E, mask=live & (i < real))
+        if PADDED:
+            every += tl.histogram(expert, BLOCK_E, mask=live)
+    if not PADDED:
+        every = counts
+    offsets = tl.cumsum(every, 0) - every
     whole = counts // BM
     rest = counts - whole * BM
     tail = (rest > 0) & (rest <= TAIL_BM)

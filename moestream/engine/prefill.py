@@ -1,0 +1,135 @@
+"""A prompt's first forward: padded to one of a few sizes, and with every expert in the GPU pool, a CUDA graph.
+
+A resident prefill layer waits on the host for nothing since its experts are grouped on the device (PlacedExperts),
+yet at a few hundred tokens the host's launches take longer than the GPU's work. So a whole prompt of at most 512
+tokens, of a model whose extra rows change nothing of a prompt's own (`CausalLM.pads_prompts`), runs at the next
+size in PADDED_SIZES: the extra rows repeat its last token, no expert computes them (experts/provider.py Padding),
+and their cache rows land at positions the answer overwrites before it reads them. Every
+tier pads alike, so a prompt's bits follow its padded size, never what is resident. With every record in the pool,
+each size's forward is one CUDA graph, captured at load over a state of its own whose row map is loaded from the
+sequence's before each replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.experts.provider import ExpertProvider, ExpertStep, Padding
+from moestream.layers.context import StepContext
+from moestream.models.base import CausalLM, SequenceState
+
+PADDED_SIZES = (32, 64, 128, 256, 512)
+
+
+def padded_size(rows: int) -> int:
+    """The rows of a whole prompt's forward of `rows` tokens (itself past the largest size)."""
+    return next((size for size in PADDED_SIZES if size >= rows), rows)
+
+
+@dataclass
+class _Inputs:
+    tokens: torch.Tensor  # [size]
+    positions: torch.Tensor  # [size]: 0..size-1
+    entries: torch.Tensor  # [1]: the prompt's own routing entries
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [size, H], written by each replay
+    grown: int  # the KV pool's moves when it was captured (its stores are the graph's)
+
+
+class Prefiller:
+    def __init__(self, model: CausalLM, provider: ExpertProvider, decoder, device: torch.device,
+                 dtype: torch.dtype, graphs: bool):
+        """`decoder` (engine/decode.py): its KV pool, which the graphs' own state keeps its rows in."""
+        self.model, self.provider, self.decoder, self.device, self.dtype = model, provider, decoder, device, dtype
+        self.graphs_on = graphs and device.type == "cuda" and model.pads_prompts and decoder.kv is not None
+        self.graphs: dict[int, _Graph] = {}
+        self.inputs: dict[int, _Inputs] = {}
+        self.own: SequenceState | None = None
+        self.pool = None  # the graphs' one memory pool: they replay one at a time, each output cloned at once
+        self.layers = [block.layer_slot for block in model.moe_blocks()]
+        self.replays = 0
+
+    def rows(self, prompt_tokens: int) -> int:
+        """The positions a prompt's first forward writes (its KV blocks)."""
+        return padded_size(prompt_tokens) if self.model.pads_prompts else prompt_tokens
+
+    @torch.inference_mode()
+    def __call__(self, ids: list[int], state: SequenceState, whole: bool = True) -> torch.Tensor:
+        """Feed `ids` after the state's tokens; returns their final hidden rows [len(ids), H] and advances the state.
+        `whole`: they are a whole prompt (the first chunk of a longer one runs as it is)."""
+        size = padded_size(len(ids))
+        if not (whole and self.model.pads_prompts and state.length == 0 and size in PADDED_SIZES):
+            return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), state)
+        state.make_room(size)  # blocks for every padded position, taken before the check (the KV pool may grow)
+        replay = self._replayable(size, state)  # before the inputs: a capture loads them too
+        inputs = self._load(size, ids)
+        if replay:
+            self.own.caches[0].row_map[:size].copy_(state.caches[0].row_map[:size])  # one table for every layer
+            self.graphs[size].graph.replay()
+            self.provider.note_placed(self.layers)
+            self.replays += 1
+            hidden = self.graphs[size].hidden[: len(ids)].clone()  # the next replay overwrites it
+        else:
+            hidden = self.model(inputs.tokens, state, self._context(inputs, len(ids)))[: len(ids)]
+        state.advance(ids)
+        return hidden
+
+    def warm(self) -> None:
+        """Capture each size's graph now, when every record is in the pool, so that no request pays for it."""
+        if self.graphs_on:
+            for size in PADDED_SIZES:
+                if self.provider.placed_prefill(size):
+                    self._capture(size)
+
+    def _replayable(self, size: int, state: SequenceState) -> bool:
+        """Whether this size's graph may run for `state` (captured again first when the KV pool's stores moved)."""
+        caches = state.caches
+        if not (self.graphs_on and caches and caches[0].table is caches[-1].table
+                and caches[0].store is self.decoder.kv.stores[0] and self.provider.placed_prefill(size)):
+            return False
+        captured = self.graphs.get(size)
+        if captured is None or captured.grown != self.decoder.kv.grown:
+            self._capture(size)
+        return True
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> None:
+        """Run the size's forward once (kernels compiled, the address table built) and capture it, over the graphs'
+        own state: its blocks are taken outside the capture and given back after; its map is loaded per replay."""
+        own = self._own()
+        inputs = self._load(size, [0])
+        own.make_room(size)
+        with self.provider.uncounted():
+            self.model(inputs.tokens, own, self._context(inputs, 1))
+            graph = torch.cuda.CUDAGraph()
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.model(inputs.tokens, own, self._context(inputs, 1))
+        own.release()
+        self.graphs[size] = _Graph(graph, hidden, self.decoder.kv.grown)
+
+    def _own(self) -> SequenceState:
+        if self.own is None:
+            self.own = self.model.new_state(self.dtype, self.device)
+            self.own.reserve(PADDED_SIZES[-1])
+            self.own.share(self.decoder.kv)
+        return self.own
+
+    def _load(self, size: int, ids: list[int]) -> _Inputs:
+        """The size's inputs holding `ids`, padded with its last token."""
+        if size not in self.inputs:
+            positions = torch.arange(size, device=self.device)
+            self.inputs[size] = _Inputs(torch.zeros_like(positions), positions, torch.zeros_like(positions[:1]))
+        inputs = self.inputs[size]
+        inputs.tokens.copy_(torch.tensor(ids + ids[-1:] * (size - len(ids))))
+        inputs.entries.fill_(len(ids) * self.model.config.num_experts_per_tok)
+        return inputs
+
+    def _context(self, inputs: _Inputs, rows: int) -> StepContext:
+        return StepContext(inputs.positions, experts=ExpertStep(padding=Padding(rows, inputs.entries)))
