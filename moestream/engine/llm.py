@@ -23,7 +23,7 @@ from moestream.engine.decode import Decoder
 from moestream.engine.drafting import HeadDecoder, HeadDrafts
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.memory import activation_bytes, dense_bytes, kv_row_bytes, plan_gpu, state_bytes
-from moestream.engine.prefill import Prefiller
+from moestream.engine.prefill import PADDED_SIZES, Prefiller
 from moestream.engine.prefix_cache import PrefixCache
 from moestream.engine.scheduler import Request, Scheduler
 from moestream.engine.speculation import Depth, SpecStats, Speculator
@@ -165,8 +165,8 @@ class LLM:
     def warm(self) -> None:
         """Load the tokenizer, run once every kernel a request uses (a one-token and a 512-token prompt of random
         ids, their experts computed from a scratch record, so that nothing is fetched or counted) and capture the
-        decode graph; with every record in the pool, a whole request too (it fetches nothing; its counts are taken
-        back). The first request then runs as fast as the tenth."""
+        decode and prefill graphs; with every record in the pool, two whole requests too, past the graphs' sizes (they
+        fetch nothing; their counts are taken back). The first request then runs as fast as the tenth."""
         from moestream.engine.progress import status
 
         with status("warming the kernels"):
@@ -185,8 +185,11 @@ class LLM:
             if self.head is not None:
                 self.head.warm()
             if self.provider.pool.resident == self.provider.geometry.num_records:
+                # past the padded sizes, as a long prompt runs: row counts of both divisibilities Triton specializes
+                longer = torch.randint(0, self.config.vocab_size, (PADDED_SIZES[-1] + 16,), generator=generator)
                 with self.provider.uncounted():
-                    self.generate([prompt.tolist()], SamplingParams(max_tokens=2, ignore_eos=True))
+                    for ids in (longer[:-15], longer):
+                        self.generate([ids.tolist()], SamplingParams(max_tokens=2, ignore_eos=True))
 
     @property
     def tokenizer(self):
