@@ -1,6 +1,5 @@
 """Continuous batching: up to `max_batch` sequences decode together, one token each per step, while new prompts
-are prefilled a chunk per step between those steps, so a long prompt delays the others by a chunk at a time. A
-prompt whose forward is a graph replays beside the decoding steps (engine/prefill.py) and joins them when it lands.
+are prefilled a chunk per step between those steps, so a long prompt delays the others by a chunk at a time.
 
 Running sequences hold the decoder's first batch slots, so the batch's graph (one per size) replays over the same
 buffers whatever sequences they hold; the one prompt being prefilled holds the slot after them. A sequence that
@@ -105,26 +104,17 @@ class Scheduler:
                 request.generation = request.open(request.slot)
                 if self._fork(request):
                     continue
-            request, g = self.prefilling, self.prefilling.generation
-            if not g.launched:  # else it was launched aside in an earlier step
-                before = g.seq.state.length
-                g.launch(aside=bool(self.running))
-                budget -= g.seq.state.length - before
-            if not g.landed and self.running and not self._grows():
-                break  # the running ones step meanwhile
-            self._deliver(request, g.land())
-            if g.prefilled:
+            request = self.prefilling
+            before = request.generation.seq.state.length
+            self._deliver(request, request.generation.prefill_chunk())
+            budget -= request.generation.seq.state.length - before
+            if request.generation.prefilled:
                 self._keep_for_forks(request)
                 if not request.finished:
                     self.prefilling = None
                     self._join(request)
         if self.running:
             self._decode()
-
-    def _grows(self) -> bool:
-        """Whether the running sequences' next step may grow the KV pool (moving the stores a chunk aside writes)."""
-        kv = self.decoder.kv
-        return kv is not None and not kv.bounded and len(kv.free) < 2 * len(self.running)  # <= 1 block a row run
 
     def _fits(self, request: Request) -> bool:
         """Whether a bounded KV cache can promise `request` every block it may fill, beside the running ones' (so
@@ -188,7 +178,6 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         request.finished, request.finish_reason = True, reason
         if request.generation is not None:  # it held a slot: its KV blocks go back
-            request.generation.settle()
             request.generation.seq.state.release()
         self.promised -= request.promised
         request.promised = 0
