@@ -173,7 +173,7 @@ class ExpertProvider:
     def totals(self) -> dict:
         """The counters' totals per precision, with every addressed step counted so far."""
         self.residency.flush()
-        return self.stats.snapshot()["totals"]
+        return self.stats.totals()
 
     def snapshot(self) -> dict:
         """The counters, with which experts of each layer are resident in the GPU pool right now."""

@@ -154,12 +154,7 @@ class Residency:
         distinct = ran[..., None].expand_as(ids).clone()
         distinct[..., 1:] &= ids[..., 1:] != ids[..., :-1]
         rid = ids.clamp(min=0) + torch.arange(routed_layers)[None, :, None] * g.num_experts
-        cached = {p: torch.zeros(g.num_records, dtype=torch.bool) for p in self.layouts}
-        for r, slot in self.pool.slot_of.items():
-            precision = self.pool.precision_of[slot]  # None for a slot whose fill is not fetched yet
-            if precision in cached:
-                cached[precision][r] = True
-        hits = {p: (distinct & c[rid]).sum((0, 2)).tolist() for p, c in cached.items()}
+        hits = {p: (distinct & c[rid]).sum((0, 2)).tolist() for p, c in self._cached().items()}
         lookups = distinct.sum((0, 2)).tolist()
         uses = torch.bincount(rid[distinct], minlength=g.num_records).view(g.num_layers, g.num_experts).tolist()
         steps = ran.sum(0).tolist()
@@ -173,6 +168,18 @@ class Residency:
             self._count_misses(layer, misses)
             self.stats.read(layer, self.miss, "host", misses * self.layouts[self.miss].stride, records=misses)
             self.stats.expert_uses[layer] = [a + b for a, b in zip(self.stats.expert_uses[layer], uses[layer])]
+
+    def _cached(self) -> dict[str, torch.Tensor]:
+        """Per precision, which records the pool holds [num_records] (a slot whose fill is not fetched yet has none).
+        Built at once: one index assignment a record took ~14 ms a flush with the 30B's 6,144 records resident."""
+        pool = self.pool
+        rids = torch.tensor(list(pool.slot_of), dtype=torch.long)
+        precisions = [pool.precision_of[slot] for slot in pool.slot_of.values()]
+        cached = {}
+        for p in self.layouts:
+            cached[p] = torch.zeros(self.geometry.num_records, dtype=torch.bool)
+            cached[p][rids[torch.tensor([q == p for q in precisions], dtype=torch.bool)]] = True
+        return cached
 
     # -- fetching -------------------------------------------------------------------------------------
     def fill_precision(self, rid: int) -> str:

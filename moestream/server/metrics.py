@@ -49,7 +49,7 @@ class _EngineCollector:
         return []  # collected lazily; nothing to check at registration
 
     def collect(self):
-        totals = self.llm.stats()["totals"]
+        totals = self.llm.provider.totals()  # not llm.stats(): every layer's counters copied, per scrape
         names = sorted({k for c in totals.values() for k, v in c.items() if isinstance(v, int | float)})
         for name in names:  # lookups, hits, misses, prefetches, read/wait seconds: whatever the engine counts
             m = CounterMetricFamily(f"moestream_expert_{name}", f"expert {name.replace('_', ' ')}",
@@ -73,7 +73,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("moestream_prefix_cache_bytes", "bytes held by the prefix cache",
                                 value=cache.get("bytes", 0))
         yield GaugeMetricFamily("moestream_prefix_cache_entries", "snapshots held", value=cache.get("entries", 0))
-        spec = self.llm.stats()["speculation"]
+        spec = self.llm.spec_stats.as_dict()
         for name, value, help_text in (
                 ("drafts_proposed", sum(spec["proposed"]), "speculative drafts verified"),
                 ("drafts_accepted", sum(spec["accepted"]), "speculative drafts kept"),

@@ -65,21 +65,31 @@ class ExpertStats:
     def snapshot(self) -> dict:
         with self.lock:
             layers = [{p: asdict(c) for p, c in per.items()} for per in self.layers]
-        totals: dict = {}
-        for per in layers:
-            for p, c in per.items():
-                t = totals.setdefault(p, {k: 0 for k in c if k != "reads"} | {"reads": {}})
-                for k, v in c.items():
-                    if k == "reads":
-                        for tier, rb in v.items():
-                            tt = t["reads"].setdefault(tier, {"records": 0, "bytes": 0})
-                            tt["records"] += rb["records"]
-                            tt["bytes"] += rb["bytes"]
-                    else:
-                        t[k] += v
+            totals = self._totals()
         experts = [{"uses": list(u), "resident": list(r)} for u, r in zip(self.expert_uses, self.resident)]
         return {"direct_io": self.direct_io, "layers": layers, "totals": totals, "experts": experts,
                 "prefill_timings": list(self.timings)}
+
+    def totals(self) -> dict:
+        """The counters summed over layers, per precision (`snapshot()["totals"]`, read per request and per scrape
+        without copying every layer)."""
+        with self.lock:
+            return self._totals()
+
+    def _totals(self) -> dict:
+        totals: dict = {}
+        for per in self.layers:
+            for p, c in per.items():
+                t = totals.setdefault(p, {k: 0 for k in vars(c) if k != "reads"} | {"reads": {}})
+                for k, v in vars(c).items():
+                    if k == "reads":
+                        for tier, rb in v.items():
+                            tt = t["reads"].setdefault(tier, {"records": 0, "bytes": 0})
+                            tt["records"] += rb.records
+                            tt["bytes"] += rb.bytes
+                    else:
+                        t[k] += v
+        return totals
 
 
 def delta(before: dict, after: dict) -> dict:
