@@ -305,6 +305,8 @@ class LLM:
             raise RequestError("the prompt is empty" if isinstance(ids, list | tuple) else
                                f"a prompt is a string or a list of token ids, got {type(ids).__name__}")
         vocab = self.config.vocab_size
+        if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab:  # at C speed: ~2 us a token else
+            return list(ids)
         for i, t in enumerate(ids):
             if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise RequestError(f"prompt token {i} is {t!r}: token ids are integers in [0, {vocab})")
