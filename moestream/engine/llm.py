@@ -138,7 +138,7 @@ class LLM:
             table.reset_counts()
         self.spec_stats, self.depth = SpecStats(), Depth(cfg.max_drafts, cfg.drafts)  # nor its drafts
         if cfg.prefix_cache_mb > 0:
-            self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk)
+            self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 1e6), cfg.prefill_chunk, self.decoder.kv)
         self.peak_gpu_bytes = (torch.cuda.max_memory_allocated(self.device) - baseline) if cuda else None
         if self.gpu_plan is not None and self.peak_gpu_bytes is not None and self.peak_gpu_bytes > cfg.gpu_gb * 1e9:
             self.close()

@@ -10,29 +10,35 @@ when the snapshot was taken (the CUDA decoder attends over the whole buffer, so 
 
 Keys are a chain hash of token blocks (block i's key covers tokens [0, (i+1) * chunk)); a hit is also
 checked token by token. With MTP drafting a snapshot holds the head's cache too, and a boundary where the head
-still waits on the next token (the prompt's end) is not kept. Snapshots live in host memory (they must not take
-GPU memory from the expert pool) and are copied back to the device on a hit. Only the engine thread calls
-`restore` and `insert`; `stats()` may be read from any thread.
+still waits on the next token (the prompt's end) is not kept.
+
+Where the sequences' attention caches live in the decoder's paged KV pool (`pool`), an entry keeps the prompt's KV
+blocks where they are (held: no row copied) and a hit starts the new sequence's block table from them; a bounded
+pool short of blocks evicts entries first. Everything else an entry holds (recurrent states, QSA's indexer keys,
+the MTP head's cache; every row without a pool) lives in host memory, copied back on a hit. The budget counts
+both. Only the engine thread calls `restore`, `insert` and `reclaim`; `stats()` may be read from any thread.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, is_dataclass
 
 import numpy as np
 import torch
 
+from moestream.layers.kv import BlockPool
 from moestream.models.base import SequenceState
 
 
 @dataclass
 class _Entry:
-    state: SequenceState  # on the host
+    state: SequenceState  # on the host, but for its KV blocks
     capacities: list[int | None]  # per layer: KV buffer rows when snapshotted (None: not an attention cache)
-    nbytes: int
+    nbytes: int  # host bytes (its blocks are counted once however many entries hold them)
+    blocks: list[int]  # the pool blocks it holds
 
 
 def block_keys(ids: list[int], chunk: int, blocks: int) -> list[bytes]:
@@ -67,9 +73,10 @@ def _is_state(value) -> bool:
     return hasattr(value, "snapshot") or is_dataclass(value)
 
 
-def host_snapshot(state: SequenceState) -> tuple[SequenceState, int]:
-    """A snapshot of `state` in host memory (it must not take GPU memory from the expert pool), and its bytes."""
-    snap = state.snapshot()
+def host_snapshot(state: SequenceState, shared: bool = False) -> tuple[SequenceState, int]:
+    """A snapshot of `state` in host memory (it must not take GPU memory from the expert pool), and its host bytes;
+    `shared`: its KV rows kept in their pool's blocks instead (SequenceState.snapshot)."""
+    snap = state.snapshot(shared)
     return snap, _tensors(snap, lambda t: t.cpu())
 
 
@@ -78,12 +85,16 @@ def _capacity(layer_state) -> int | None:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, chunk: int):
-        self.budget_bytes, self.chunk = budget_bytes, chunk
+    def __init__(self, budget_bytes: int, chunk: int, pool: BlockPool | None = None):
+        """`pool`: the decoder's KV pool, whose blocks entries keep (None: every row copied to the host)."""
+        self.budget_bytes, self.chunk, self.pool = budget_bytes, chunk, pool
         self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self.lock = threading.Lock()
-        self.bytes = 0
+        self.host_bytes = 0
+        self.held: Counter[int] = Counter()  # KV block -> entries holding it
         self.counters = dict(lookups=0, hits=0, misses=0, cached_tokens=0, inserts=0, evictions=0, too_big=0)
+        if pool is not None:
+            pool.reclaim = self.reclaim
 
     def restore(self, ids: list[int], state: SequenceState) -> int:
         """Load into the new sequence's `state` the deepest cached boundary b < len(ids) that is a prefix of `ids`;
@@ -120,27 +131,55 @@ class PrefixCache:
             if key in self.entries:
                 self.entries.move_to_end(key)
                 return
-        snap, nbytes = host_snapshot(state)
-        if nbytes > self.budget_bytes:
+        shared = self.pool is not None and bool(state.caches) and state.caches[0].store is self.pool.stores[0]
+        snap, nbytes = host_snapshot(state, shared)
+        entry = _Entry(snap, [_capacity(s) for s in state.layers], nbytes, snap.snapshot_blocks())
+        while self.entries and self._bytes(entry) > self.budget_bytes:
+            self._evict()
+        if self._bytes(entry) > self.budget_bytes:
+            if entry.blocks:
+                self.pool.give(entry.blocks)
             with self.lock:
                 self.counters["too_big"] += 1
             return
-        entry = _Entry(snap, [_capacity(s) for s in state.layers], nbytes)
         with self.lock:
-            while self.entries and self.bytes + nbytes > self.budget_bytes:
-                _, old = self.entries.popitem(last=False)
-                self.bytes -= old.nbytes
-                self.counters["evictions"] += 1
             self.entries[key] = entry
-            self.bytes += nbytes
+            self.host_bytes += nbytes
+            self.held.update(entry.blocks)
             self.counters["inserts"] += 1
 
-    def clear(self) -> None:
+    @property
+    def bytes(self) -> int:
+        """Host bytes and KV block bytes the entries hold."""
+        return self.host_bytes + (len(self.held) * self.pool.block_bytes if self.held else 0)
+
+    def _bytes(self, entry: _Entry) -> int:
+        """`bytes` with `entry` in."""
+        fresh = len(set(entry.blocks) - self.held.keys())
+        return self.bytes + entry.nbytes + (fresh * self.pool.block_bytes if fresh else 0)
+
+    def reclaim(self, blocks: int) -> None:
+        """The KV pool needs `blocks` more free blocks: the least recently used entries go until it has them (those
+        that sequences still hold too free nothing)."""
+        need = len(self.pool.free) + blocks
+        while self.entries and len(self.pool.free) < need:
+            self._evict()
+
+    def _evict(self) -> None:
         with self.lock:
-            self.entries.clear()
-            self.bytes = 0
+            _, old = self.entries.popitem(last=False)
+            self.host_bytes -= old.nbytes
+            self.held.subtract(old.blocks)
+            self.held = +self.held  # blocks no entry holds leave
+            self.counters["evictions"] += 1
+        if old.blocks:
+            self.pool.give(old.blocks)
+
+    def clear(self) -> None:
+        while self.entries:
+            self._evict()
 
     def stats(self) -> dict:
         with self.lock:
             return dict(self.counters, entries=len(self.entries), bytes=self.bytes, budget_bytes=self.budget_bytes,
-                        chunk=self.chunk)
+                        chunk=self.chunk, kv_blocks=len(self.held))

@@ -5,10 +5,15 @@ sequence holds the blocks its positions fill, and gives them back when it ends.
 
 A pool that no budget bounds grows by doubling (its stores move, so graphs captured over them are made anew); a
 bounded one refuses past its blocks (KVFull), and the scheduler admits a sequence only when the blocks it may
-need are free. A cache of its own (the eager path, tests) is a pool of one sequence that grows."""
+need are free. A cache of its own (the eager path, tests) is a pool of one sequence that grows.
+
+Blocks are counted: the prefix cache keeps a prompt's blocks (`BlockTable.shared`) and a sequence that repeats
+the prompt starts from them (`adopt`), with no row copied; a bounded pool short of blocks first asks its `reclaim`
+(the prefix cache) to give some back."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,28 +51,48 @@ class BlockPool:
         for store in stores:
             store.grow(blocks * BLOCK_ROWS)
         self.free = list(range(blocks - 1, -1, -1))  # taken from the end: the lowest ids first
+        self.holders = [0] * blocks  # tables and cached prefixes holding each block
         self.grown = 0  # times the stores moved
+        self.reclaim: Callable[[int], None] | None = None  # asked for blocks back before a bounded pool refuses
 
     @property
     def used(self) -> int:
         return self.blocks - len(self.free)
 
+    @property
+    def block_bytes(self) -> int:
+        return sum(2 * s.k[:BLOCK_ROWS].numel() * s.k.element_size() for s in self.stores)
+
     def take(self, n: int) -> list[int]:
+        if n > len(self.free) and self.bounded and self.reclaim is not None:
+            self.reclaim(n - len(self.free))
         if n > len(self.free):
             if self.bounded:
                 raise KVFull(f"the KV cache's {self.blocks} blocks of {BLOCK_ROWS} positions are all in use")
             self._grow(max(2 * self.blocks, self.blocks + n - len(self.free)))
         taken = self.free[len(self.free) - n:][::-1]
         del self.free[len(self.free) - n:]
+        self.hold(taken)
         return taken
 
+    def hold(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.holders[b] += 1
+
     def give(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        """One holder lets go of each of `blocks`; those nobody holds are free."""
+        freed = []
+        for b in blocks:
+            self.holders[b] -= 1
+            if not self.holders[b]:
+                freed.append(b)
+        self.free.extend(reversed(freed))
 
     def _grow(self, blocks: int) -> None:
         for store in self.stores:
             store.grow(blocks * BLOCK_ROWS)
         self.free[:0] = range(blocks - 1, self.blocks - 1, -1)
+        self.holders += [0] * (blocks - self.blocks)
         self.blocks, self.grown = blocks, self.grown + 1
 
 
@@ -78,6 +103,7 @@ class BlockTable:
     def __init__(self, pool: BlockPool, device: torch.device, capacity: int):
         self.pool, self.blocks = pool, []
         self.row_map = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.adopted: list[int] | None = None  # the cached prefix's blocks it started from (once for every layer)
 
     @property
     def capacity(self) -> int:
@@ -102,11 +128,36 @@ class BlockTable:
         """Become `other`'s blocks, which it gives up (a sequence moved to another batch slot: no row is copied)."""
         self.release()
         self.blocks, other.blocks = other.blocks, []
+        self.adopted, other.adopted = other.adopted, None
         self._write(0)
 
     def release(self) -> None:
         self.pool.give(self.blocks)
-        self.blocks = []
+        self.blocks, self.adopted = [], None
+
+    def shared(self, length: int) -> list[int]:
+        """The blocks of positions 0..length, held once more for a cached prefix (which gives them back)."""
+        blocks = self.blocks[: blocks_for(length)]
+        self.pool.hold(blocks)
+        return blocks
+
+    @torch.inference_mode()
+    def adopt(self, blocks: list[int], length: int) -> None:
+        """Start from a cached prefix's blocks (positions 0..length), held, not copied; a partly filled last block
+        is copied into one of its own, since this sequence writes on after `length`."""
+        self.release()
+        full = length // BLOCK_ROWS
+        self.blocks = blocks[:full]
+        self.pool.hold(self.blocks)
+        if length % BLOCK_ROWS:
+            own = self.pool.take(1)
+            rows, to = (torch.tensor([blocks[full], own[0]])[:, None] * BLOCK_ROWS + torch.arange(BLOCK_ROWS)).to(
+                self.row_map.device)
+            for store in self.pool.stores:
+                store.k[to], store.v[to] = store.k[rows], store.v[rows]
+            self.blocks = self.blocks + own
+        self.adopted = blocks
+        self._write(0)
 
     @torch.inference_mode()
     def _write(self, first: int) -> None:
@@ -121,12 +172,14 @@ class BlockTable:
 
 @dataclass
 class KVSnapshot:
-    """A cache's used rows, in order (perhaps on the host), and the map capacity it had."""
+    """A cache's used rows, in order (perhaps on the host), or the pool blocks that hold them (`blocks`, held by
+    whoever keeps the snapshot), and the map capacity it had."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     length: int
     capacity: int
+    blocks: list[int] | None
 
 
 class KVCache:
@@ -209,6 +262,10 @@ class KVCache:
         if isinstance(other, KVCache) and other.store is self.store:
             if other.table is not self.table and other.table.blocks:  # once for the sequence's layers
                 self.table.take_over(other.table)
+        elif isinstance(other, KVSnapshot) and other.blocks is not None:
+            if self.table.adopted is not other.blocks:  # once for the sequence's layers
+                self.reserve(other.length)
+                self.table.adopt(other.blocks, other.length)
         else:
             other = other.snapshot() if isinstance(other, KVCache) else other
             self.make_room(other.length)
@@ -217,6 +274,10 @@ class KVCache:
             self.store.v.index_copy_(0, at, other.v[: other.length].to(self.v.device))
         self.length = other.length
 
-    def snapshot(self) -> KVSnapshot:
+    def snapshot(self, blocks: list[int] | None = None) -> KVSnapshot:
+        """Its rows copied out, or with `blocks` (its table's, held for the snapshot: `BlockTable.shared`) left
+        where they are."""
+        if blocks is not None:
+            return KVSnapshot(None, None, self.length, self.capacity, blocks)
         at = self.row_map[: self.length]
-        return KVSnapshot(self.store.k[at], self.store.v[at], self.length, self.capacity)
+        return KVSnapshot(self.store.k[at], self.store.v[at], self.length, self.capacity, None)

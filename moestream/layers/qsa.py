@@ -62,10 +62,10 @@ class QSACache(KVCache):
         self.index_keys[: other.length].copy_(other.index_keys[: other.length])
         self.block_keys[:blocks].copy_(other.block_keys[:blocks])
 
-    def snapshot(self) -> QSASnapshot:
-        base = super().snapshot()
-        return QSASnapshot(base.k, base.v, base.length, base.capacity, self.index_keys[: self.length].clone(),
-                           self.block_keys[: self.length // self.ratio].clone())
+    def snapshot(self, blocks: list[int] | None = None) -> QSASnapshot:
+        base = super().snapshot(blocks)
+        return QSASnapshot(base.k, base.v, base.length, base.capacity, base.blocks,
+                           self.index_keys[: self.length].clone(), self.block_keys[: self.length // self.ratio].clone())
 
 
 @dataclass

@@ -46,9 +46,18 @@ class SequenceState:
     tokens: list[int] = field(default_factory=list)
     draft: SequenceState | None = None
 
-    def snapshot(self) -> SequenceState:
-        return SequenceState([s.snapshot() for s in self.layers], self.length, list(self.tokens),
+    def snapshot(self, shared: bool = False) -> SequenceState:
+        """A copy of what it holds; `shared`: its attention caches' rows stay in their pool's blocks, held for the
+        snapshot (its keeper gives them back: `snapshot_blocks`)."""
+        blocks = self.caches[0].table.shared(self.length) if shared and self.caches else None
+        layers = [s.snapshot(blocks) if blocks is not None and hasattr(s, "reserve") else s.snapshot()
+                  for s in self.layers]
+        return SequenceState(layers, self.length, list(self.tokens),
                              self.draft.snapshot() if self.draft is not None else None)
+
+    def snapshot_blocks(self) -> list[int]:
+        """The pool blocks a shared snapshot holds (none for a copied one)."""
+        return next((s.blocks for s in self.layers if getattr(s, "blocks", None) is not None), [])
 
     def load(self, other: SequenceState) -> None:
         """Become `other` (a snapshot, perhaps on the host), copying into this state's own buffers."""

@@ -76,13 +76,51 @@ def test_restored_attention_caches_keep_their_capacity(tiny):
     llm.close()
 
 
+def test_a_hit_starts_from_the_cached_kv_blocks_and_copies_only_a_partly_filled_one(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=24, prefix_cache_mb=10)
+    try:
+        pool, ids = llm.decoder.kv, list(range(3, 53))  # boundaries at 24 and 48: blocks of 16 positions
+        run(llm, ids)
+        entries = list(llm.prefix_cache.entries.values())
+        assert [len(e.blocks) for e in entries] == [2, 3] and pool.used == 3  # the second holds the first's two
+        request = llm._submit(ids[:48] + [7, 8], GREEDY)
+        llm.step()  # restored at 48 (a full block boundary): its first three blocks are the cache's
+        table = request.generation.seq.state.caches[0].table
+        assert table.blocks[:3] == entries[1].blocks and all(pool.holders[b] >= 2 for b in table.blocks[:3])
+        list(llm._steps(request))
+        request = llm._submit(ids[:24] + [9], GREEDY)
+        llm.step()  # restored at 24: block 0 shared, block 1 (positions 16..23 of 32) its own copy
+        table = request.generation.seq.state.caches[0].table
+        assert table.blocks[0] == entries[0].blocks[0] and table.blocks[1] not in entries[0].blocks
+        list(llm._steps(request))
+        llm.prefix_cache.clear()
+        assert pool.used == 0
+    finally:
+        llm.close()
+
+
+def test_a_bounded_kv_cache_takes_blocks_back_from_cached_prefixes(tiny):
+    store = tiny.store("qwen3_moe")
+    plain = LLM(store, device="cpu", prefill_chunk=CHUNK)
+    llm = LLM(store, device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=10, kv_tokens=64)  # 4 blocks
+    try:
+        for start in (3, 100, 200):  # each 40-token prompt leaves 3 blocks cached; the next needs 3 of 4
+            ids = list(range(start, start + 40))
+            assert run(llm, ids) == (run(plain, ids)[0], 0)
+        stats = llm.prefix_cache.stats()
+        assert stats["evictions"] > 0 and stats["kv_blocks"] <= 4
+    finally:
+        plain.close()
+        llm.close()
+
+
 def test_lru_stays_within_the_byte_budget(tiny):
     llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=CHUNK, prefix_cache_mb=10)
     assert llm.prefix_cache.stats()["bytes"] == 0
     run(llm, list(range(3, 20)))  # snapshots at 8 and 16
     sizes = llm.prefix_cache.stats()["bytes"]
     assert sizes > 0
-    small = PrefixCache(budget_bytes=sizes, chunk=CHUNK)
+    small = PrefixCache(budget_bytes=sizes, chunk=CHUNK, pool=llm.decoder.kv)  # the two share one KV block
     llm.prefix_cache = small
     run(llm, list(range(3, 20)))
     run(llm, list(range(30, 47)))  # two more snapshots: the first two go
