@@ -51,9 +51,17 @@ class QSACache(KVCache):
 
     def reserve(self, capacity: int) -> None:
         super().reserve(capacity)
+        self._fit()
+
+    def make_room(self, end: int) -> None:
+        super().make_room(end)
+        self._fit()  # the row map is the sequence's: another layer's cache may have grown it
+
+    def _fit(self) -> None:
         rows = self.capacity
-        self.index_keys = _grown(self.index_keys, rows)
-        self.block_keys = _grown(self.block_keys, rows // self.ratio + 1)
+        if self.index_keys.shape[0] < rows:
+            self.index_keys = _grown(self.index_keys, rows)
+            self.block_keys = _grown(self.block_keys, rows // self.ratio + 1)
 
     @torch.inference_mode()  # keys grown in a forward are inference tensors
     def load(self, other: QSACache | QSASnapshot) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from moestream.engine.decode import Decoder
 from moestream.engine.llm import LLM
+from moestream.sampling import SamplingParams
 from tests.conftest import MODEL_TYPES
 from tests.engine.runs import prompt_of, static_hyper_store
 
@@ -63,3 +64,16 @@ def test_static_step_with_ple_and_indexed_attention(tiny, tier):
         _compare(llm, steps=10)
     finally:
         llm.close()
+
+
+def test_two_indexed_attention_layers_grow_past_their_first_capacity(tiny):
+    """The row map is the sequence's: the first QSA layer grows it, and the next still grows its indexer keys."""
+    store = tiny.store("qwen4_exp", layer_types=["linear_attention", "indexed_attention"] * 2)
+    answers = []
+    for max_batch in (1, 16):  # the eager state (capacity 64) and the static one (max_context 32)
+        llm = LLM(store, device="cpu", dtype="float32", max_batch=max_batch, max_context=32)
+        try:
+            answers.append(llm.generate([prompt_of(llm, 100)], SamplingParams(max_tokens=4))[0].token_ids)
+        finally:
+            llm.close()
+    assert answers[0] == answers[1]
