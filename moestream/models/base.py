@@ -18,7 +18,7 @@ from moestream.config import ModelConfig
 from moestream.layers.attention import Attention
 from moestream.layers.context import StepContext
 from moestream.layers.deltanet import GatedDeltaNet
-from moestream.layers.kv import BlockPool, BlockTable
+from moestream.layers.kv import BlockPool, BlockTable, blocks_for
 from moestream.layers.linear import Linear
 from moestream.layers.mlp import MLP
 from moestream.layers.moe import SparseMoE
@@ -45,6 +45,7 @@ class SequenceState:
     length: int = 0
     tokens: list[int] = field(default_factory=list)
     draft: SequenceState | None = None
+    table: BlockTable | None = field(default=None, repr=False, compare=False)  # its caches' one table (`share`)
 
     def snapshot(self, shared: bool = False) -> SequenceState:
         """A copy of what it holds; `shared`: its attention caches' rows stay in their pool's blocks, held for the
@@ -75,6 +76,8 @@ class SequenceState:
     @property
     def capacity(self) -> int:
         """Positions its attention caches' row maps cover (static decode's shapes follow them)."""
+        if self.table is not None:
+            return self.table.capacity
         return min((c.capacity for c in self.caches), default=1 << 62)
 
     def reserve(self, rows: int) -> None:
@@ -82,16 +85,20 @@ class SequenceState:
             c.reserve(rows)
 
     def make_room(self, end: int) -> None:
-        """KV blocks for positions up to `end`."""
+        """KV blocks for positions up to `end` (a batched step asks 48 layers of 16 sequences each step: with one
+        table there is nothing to do while it has them)."""
+        table = self.table
+        if table is not None and end <= table.capacity and blocks_for(end) <= len(table.blocks):
+            return
         for c in self.caches:
             c.make_room(end)
 
     def share(self, pool: BlockPool) -> None:
         """Keep its attention caches' rows in `pool`'s stores (one per cache, in order), through one block table."""
         if self.caches:
-            table = BlockTable(pool, self.caches[0].row_map.device, self.capacity)
+            self.table = BlockTable(pool, self.caches[0].row_map.device, self.capacity)
             for cache, store in zip(self.caches, pool.stores):
-                cache.share(store, table)
+                cache.share(store, self.table)
 
     def release(self) -> None:
         """Its KV blocks go back to their pool (the sequence ended)."""
