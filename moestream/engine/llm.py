@@ -330,7 +330,7 @@ class LLM:
     def _complete(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         """Every prompt's answer, decoded together (up to `max_batch` at once) through the streaming path, stop
         strings included."""
-        streams = [TextStream(self, ids, params) for ids in prompts]
+        streams = [TextStream(self, ids, params, pieces=False) for ids in prompts]
         try:
             for stream in streams:
                 stream.start()
