@@ -91,7 +91,7 @@ class Scheduler:
             if request.is_cancelled():
                 self.cancel(request)
         if self.forked is not None and not self._awaited(self.forked[0]):
-            self.forked = None
+            self._drop_forked()
         budget = self.prefill_tokens
         while budget > 0:
             if self.prefilling is None:
@@ -129,7 +129,9 @@ class Scheduler:
         """A prompt just prefilled that waiting requests repeat: its state and logits, for them to start from."""
         g = request.generation
         if request.prompt and g.can_fork and self._awaited(request.prompt):
-            self.forked = request.prompt, host_snapshot(g.seq.state)[0], g.prompt_logits
+            kv = self.decoder.kv  # its KV rows stay in the pool's blocks, held until the last fork took them
+            shared = kv is not None and bool(g.seq.state.caches) and g.seq.state.caches[0].store is kv.stores[0]
+            self.forked = request.prompt, host_snapshot(g.seq.state, shared)[0], g.prompt_logits
         g.prompt_logits = None
 
     def _fork(self, request: Request) -> bool:
@@ -139,11 +141,16 @@ class Scheduler:
         self._deliver(request, request.generation.fork(*self.forked[1:]))
         request.generation.prompt_logits = None
         if not self._awaited(request.prompt):
-            self.forked = None
+            self._drop_forked()
         if not request.finished:
             self.prefilling = None
             self._join(request)
         return True
+
+    def _drop_forked(self) -> None:
+        if blocks := self.forked[1].snapshot_blocks():
+            self.decoder.kv.give(blocks)
+        self.forked = None
 
     def _join(self, request: Request) -> None:
         """A prefilled sequence joins the running ones, in the slot after theirs."""

@@ -149,8 +149,8 @@ def test_lookup_drafts_alone_and_plain_rows_in_a_batch(tiny):
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next", "qwen4_exp"])
 def test_requests_of_one_prompt_share_its_prefill(tiny, model_type):
-    """n choices of one prompt: the first is prefilled, the others start from a copy of its state at the prompt's
-    end (recurrent and PLE states too) with its last logits, and each gets the tokens it gets alone."""
+    """n choices of one prompt: the first is prefilled, the others start from its state at the prompt's end (its KV
+    blocks shared, recurrent and PLE states copied) with its last logits, and each gets the tokens it gets alone."""
     llm = LLM(tiny.store(model_type), device="cpu", prefill_chunk=16)  # the prompt in 3 chunks
     try:
         prompt, other = prompt_of(llm, 40), prompt_of(llm, 12, seed=1)
@@ -160,6 +160,7 @@ def test_requests_of_one_prompt_share_its_prefill(tiny, model_type):
             assert [o.token_ids for o in outs[::2]] == [alone, alone] and outs[3].token_ids == alone
             assert [o.stats["timings"]["cached_tokens"] for o in (outs[0], outs[2], outs[3])] == [0, 40, 40]
         assert llm.scheduler.forked is None  # nothing kept once no waiting request wants it
+        assert llm.decoder.kv.used == 0  # the forks held the first one's KV blocks (not copies), and let them go
     finally:
         llm.close()
 
