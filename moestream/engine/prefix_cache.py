@@ -131,7 +131,7 @@ class PrefixCache:
             if key in self.entries:
                 self.entries.move_to_end(key)
                 return
-        shared = self.pool is not None and bool(state.caches) and state.caches[0].store is self.pool.stores[0]
+        shared = self.pool is not None and state.table is not None and state.table.pool is self.pool
         snap, nbytes = host_snapshot(state, shared)
         entry = _Entry(snap, [_capacity(s) for s in state.layers], nbytes, snap.snapshot_blocks())
         while self.entries and self._bytes(entry) > self.budget_bytes:

@@ -129,8 +129,8 @@ class Scheduler:
         """A prompt just prefilled that waiting requests repeat: its state and logits, for them to start from."""
         g = request.generation
         if request.prompt and g.can_fork and self._awaited(request.prompt):
-            kv = self.decoder.kv  # its KV rows stay in the pool's blocks, held until the last fork took them
-            shared = kv is not None and bool(g.seq.state.caches) and g.seq.state.caches[0].store is kv.stores[0]
+            table = g.seq.state.table  # its KV rows stay in the pool's blocks, held until the last fork took them
+            shared = table is not None and table.pool is self.decoder.kv
             self.forked = request.prompt, host_snapshot(g.seq.state, shared)[0], g.prompt_logits
         g.prompt_logits = None
 

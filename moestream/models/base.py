@@ -50,7 +50,7 @@ class SequenceState:
     def snapshot(self, shared: bool = False) -> SequenceState:
         """A copy of what it holds; `shared`: its attention caches' rows stay in their pool's blocks, held for the
         snapshot (its keeper gives them back: `snapshot_blocks`)."""
-        blocks = self.caches[0].table.shared(self.length) if shared and self.caches else None
+        blocks = self.table.shared(self.length) if shared else None
         layers = [s.snapshot(blocks) if blocks is not None and hasattr(s, "reserve") else s.snapshot()
                   for s in self.layers]
         return SequenceState(layers, self.length, list(self.tokens),
