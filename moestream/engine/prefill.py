@@ -89,9 +89,7 @@ class Prefiller:
 
     def _replayable(self, size: int, state: SequenceState) -> bool:
         """Whether this size's graph may run for `state` (captured again first when the KV pool's stores moved)."""
-        caches = state.caches
-        if not (self.graphs_on and caches and caches[0].table is caches[-1].table
-                and caches[0].store is self.decoder.kv.stores[0] and self.provider.placed_prefill(size)):
+        if not (self.graphs_on and state.keeps_rows_in(self.decoder.kv) and self.provider.placed_prefill(size)):
             return False
         captured = self.graphs.get(size)
         if captured is None or captured.grown != self.decoder.kv.grown:

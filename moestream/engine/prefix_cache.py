@@ -131,8 +131,7 @@ class PrefixCache:
             if key in self.entries:
                 self.entries.move_to_end(key)
                 return
-        shared = self.pool is not None and state.table is not None and state.table.pool is self.pool
-        snap, nbytes = host_snapshot(state, shared)
+        snap, nbytes = host_snapshot(state, state.keeps_rows_in(self.pool))
         entry = _Entry(snap, [_capacity(s) for s in state.layers], nbytes, snap.snapshot_blocks())
         while self.entries and self._bytes(entry) > self.budget_bytes:
             self._evict()

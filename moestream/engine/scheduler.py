@@ -129,9 +129,8 @@ class Scheduler:
         """A prompt just prefilled that waiting requests repeat: its state and logits, for them to start from."""
         g = request.generation
         if request.prompt and g.can_fork and self._awaited(request.prompt):
-            table = g.seq.state.table  # its KV rows stay in the pool's blocks, held until the last fork took them
-            shared = table is not None and table.pool is self.decoder.kv
-            self.forked = request.prompt, host_snapshot(g.seq.state, shared)[0], g.prompt_logits
+            state = g.seq.state  # its KV rows stay in the pool's blocks, held until the last fork took them
+            self.forked = request.prompt, host_snapshot(state, state.keeps_rows_in(self.decoder.kv))[0], g.prompt_logits
         g.prompt_logits = None
 
     def _fork(self, request: Request) -> bool:

@@ -56,6 +56,10 @@ class SequenceState:
         return SequenceState(layers, self.length, list(self.tokens),
                              self.draft.snapshot() if self.draft is not None else None)
 
+    def keeps_rows_in(self, pool: BlockPool | None) -> bool:
+        """Whether its attention caches keep their rows in `pool`, through its one table (`share`)."""
+        return pool is not None and self.table is not None and self.table.pool is pool
+
     def snapshot_blocks(self) -> list[int]:
         """The pool blocks a shared snapshot holds (none for a copied one)."""
         return next((s.blocks for s in self.layers if getattr(s, "blocks", None) is not None), [])
