@@ -1,8 +1,9 @@
 """Serving under load: N concurrent streaming clients against the real HTTP server (`moestream serve`, its own
 process), each sending its requests back to back, prompt and output lengths drawn from a fixed seed. Per N:
 aggregate output tok/s, time to first token and inter-token latency (p50/p99), and how long /health and /metrics
-took to answer meanwhile; at the end, the engine's decode steps by batch size (from /metrics). A plot of aggregate
-tok/s against N beside the JSON.
+took to answer meanwhile, and the engine's steps in that run (from /metrics: those that fed prompt tokens and the
+others, their mean ms and how many took past each bound); at the end, its decode steps by batch size. A plot of
+aggregate tok/s against N beside the JSON.
 
   python -m benchmarks.serving STORE OUT.json [--clients 1,2,4,8,16,32] [--requests 2] [-- SERVE OPTIONS...]
   python -m benchmarks.serving --plot OUT.png RUN.json...
@@ -21,6 +22,7 @@ import threading
 import time
 
 from benchmarks.common import machine
+from moestream.engine.scheduler import STEP_BUCKETS
 from moestream.experts.store import open_store
 
 PROMPT_TOKENS, OUTPUT_TOKENS = (32, 512), (64, 192)
@@ -104,6 +106,29 @@ def load(client: Client, clients: int, requests: int, vocab: int, seed: int) -> 
             "probe_p99_ms": 1e3 * quantile(probes, 0.99), "probe_max_ms": 1e3 * max(probes, default=0.0)}
 
 
+def step_times(metrics: bytes) -> dict[str, list[float]]:
+    """The engine steps' wall-time histogram from /metrics: per kind ("prompt": steps that fed prompt tokens,
+    "decode": the others), cumulative counts per bucket, then the sum of seconds."""
+    out: dict[str, list[float]] = {"prompt": [], "decode": []}
+    for line in metrics.decode().splitlines():
+        if line.startswith(("moestream_engine_step_seconds_bucket{", "moestream_engine_step_seconds_sum{")):
+            kind = "prompt" if 'prompt="yes"' in line else "decode"
+            out[kind].append(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def step_delta(before: dict, after: dict) -> dict:
+    """Steps taken between two scrapes: per kind, how many, their mean ms, and how many took past each bucket's
+    bound (from the histogram's cumulative counts; the last is the +Inf bucket)."""
+    out = {}
+    for kind in after:
+        counts = [a - b for a, b in zip(after[kind], before[kind] or [0.0] * len(after[kind]))]
+        total, seconds = counts[-2], counts[-1]
+        out[kind] = {"steps": int(total), "mean_ms": 1e3 * seconds / total if total else 0.0,
+                     "over": {bound: int(total - c) for bound, c in zip(STEP_BUCKETS, counts)}}
+    return out
+
+
 def decode_steps_by_batch(metrics: bytes) -> dict[int, int]:
     out = {}
     for line in metrics.decode().splitlines():
@@ -165,7 +190,9 @@ def main() -> None:
         client.complete([1, 2, 3], 4)  # the first request's one-time costs
         rows = []
         for n in (int(c) for c in args.clients.split(",")):
+            before = step_times(client.get("/metrics")[1])
             rows.append(load(client, n, args.requests, vocab, seed=n))
+            rows[-1]["engine_steps"] = step_delta(before, step_times(client.get("/metrics")[1]))
             print(json.dumps(rows[-1]), flush=True)
         steps = decode_steps_by_batch(client.get("/metrics")[1])
     finally:

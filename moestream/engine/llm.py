@@ -350,8 +350,9 @@ class LLM:
             return ""
 
     def stats(self) -> dict:
+        steps = {kind: dataclasses.asdict(times) for kind, times in self.scheduler.step_times.items()}
         return self.provider.snapshot() | {"ngram": ngram_stats(ngram_tables(self.model)), "memory": self.memory(),
-                                           "speculation": self.spec_stats.as_dict()}
+                                           "speculation": self.spec_stats.as_dict(), "steps": steps}
 
     def memory(self) -> dict:
         """Bytes of each part the engine keeps on the compute device (of the n-gram tables, a disk tier's staging

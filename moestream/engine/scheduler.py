@@ -12,6 +12,8 @@ rows staged per step on the host) run one sequence at a time.
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,20 @@ from dataclasses import dataclass, field
 from moestream.engine.generate import Generation, Step
 from moestream.engine.prefix_cache import host_snapshot
 from moestream.layers.kv import blocks_for
+
+STEP_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)  # seconds: upper bounds of the step times kept
+
+
+@dataclass
+class StepTimes:
+    """Engine steps' wall time (to the readback of their tokens) counted in STEP_BUCKETS, the last count past them."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    seconds: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
+        self.seconds += seconds
 
 
 @dataclass
@@ -49,6 +65,8 @@ class Scheduler:
         self.prefilling: Request | None = None
         self.running: list[Request] = []  # in slot order: running[i] holds slot i
         self.batch_rows: dict[int, int] = {}  # rows a decode step had -> how many such steps
+        # steps that fed prompt tokens (a prompt's delay to the decoding ones shows there) and steps that only decoded
+        self.step_times = {"prompt": StepTimes(), "decode": StepTimes()}
         self.promised = 0  # KV blocks promised to the sequences in slots (a bounded cache admits within them)
         # (prompt, host snapshot of the state at its end, its last logits) of a prefill that waiting requests of the
         # same prompt start from (n choices of one request), so that a prompt is prefilled once
@@ -87,6 +105,7 @@ class Scheduler:
         """One engine step: cancelled requests leave, waiting prompts take free slots and are prefilled up to the
         step's prompt tokens (a chunk at a time, one prompt after another), and every running sequence gets one
         token."""
+        tic = time.perf_counter()
         for request in [*self.waiting, *self.running, *([self.prefilling] if self.prefilling else [])]:
             if request.is_cancelled():
                 self.cancel(request)
@@ -113,8 +132,11 @@ class Scheduler:
                 if not request.finished:
                     self.prefilling = None
                     self._join(request)
-        if self.running:
+        decoded, fed = bool(self.running), budget < self.prefill_tokens
+        if decoded:
             self._decode()
+        if fed or decoded:
+            self.step_times["prompt" if fed else "decode"].observe(time.perf_counter() - tic)
 
     def _fits(self, request: Request) -> bool:
         """Whether a bounded KV cache can promise `request` every block it may fill, beside the running ones' (so

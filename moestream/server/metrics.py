@@ -8,7 +8,9 @@ metrics are labelled by precision and, for reads, by tier (gpu = pool hits, host
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from moestream.engine.scheduler import STEP_BUCKETS
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)
 PREFIX_CACHE_COUNTERS = (  # metric name, PrefixCache.stats() key, help
@@ -105,3 +107,10 @@ class _EngineCollector:
         for rows, count in sorted(scheduler.batch_rows.items()):
             steps.add_metric([str(rows)], count)
         yield steps
+        times = HistogramMetricFamily("moestream_engine_step_seconds", "engine steps' wall time, by whether they fed "
+                                      "prompt tokens (the decoding sequences wait for those)", labels=["prompt"])
+        for kind, t in scheduler.step_times.items():
+            cumulative = [sum(t.counts[: i + 1]) for i in range(len(t.counts))]
+            times.add_metric(["yes" if kind == "prompt" else "no"],
+                             [*zip(map(str, STEP_BUCKETS), cumulative), ("+Inf", cumulative[-1])], t.seconds)
+        yield times

@@ -125,6 +125,18 @@ def test_short_prompts_are_prefilled_together_in_one_step(tiny):
         llm.close()
 
 
+def test_steps_are_timed_apart_by_whether_they_fed_prompt_tokens(tiny):
+    """The wall time a prompt adds to the decoding sequences' step shows in `stats()["steps"]` (and /metrics)."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=8)
+    try:
+        llm.generate(_prompts(llm, 3), GREEDY)  # 3 + 8 tokens in the first step, 13 in the next two
+        steps, decode_steps = llm.stats()["steps"], sum(llm.scheduler.batch_rows.values())
+    finally:
+        llm.close()
+    assert sum(steps["prompt"]["counts"]) == 3 and sum(steps["decode"]["counts"]) == decode_steps - 3  # each decoded
+    assert steps["prompt"]["seconds"] > 0 and steps["decode"]["seconds"] > 0
+
+
 def test_lookup_drafts_alone_and_plain_rows_in_a_batch(tiny):
     """With --spec lookup a sequence alone verifies drafts; several run as plain batched rows. Greedy tokens stay
     those of speculation off either way."""

@@ -103,5 +103,7 @@ def test_metrics_and_stats_answer_while_requests_decode(serve, store):
             assert http.get("/v1/stats").json()["server"]["queue"]["running"] == 3
         text = http.get("/metrics").text
         assert "moestream_sequences_decoding 3.0" in text and 'moestream_decode_steps_total{batch="3"}' in text
+        assert 'moestream_engine_step_seconds_count{prompt="yes"}' in text
+        assert 'moestream_engine_step_seconds_bucket{le="+Inf",prompt="no"}' in text
         for stream in streams:
             stream.leave()
