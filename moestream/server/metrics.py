@@ -7,6 +7,8 @@ metrics are labelled by precision and, for reads, by tier (gpu = pool hits, host
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -110,7 +112,7 @@ class _EngineCollector:
         times = HistogramMetricFamily("moestream_engine_step_seconds", "engine steps' wall time, by whether they fed "
                                       "prompt tokens (the decoding sequences wait for those)", labels=["prompt"])
         for kind, t in scheduler.step_times.items():
-            cumulative = [sum(t.counts[: i + 1]) for i in range(len(t.counts))]
+            cumulative = list(itertools.accumulate(t.counts))
             times.add_metric(["yes" if kind == "prompt" else "no"],
                              [*zip(map(str, STEP_BUCKETS), cumulative), ("+Inf", cumulative[-1])], t.seconds)
         yield times
