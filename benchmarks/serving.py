@@ -1,7 +1,7 @@
 """Serving under load: N concurrent streaming clients against the real HTTP server (`moestream serve`, its own
 process), each sending its requests back to back, prompt and output lengths drawn from a fixed seed. Per N:
 aggregate output tok/s, time to first token and inter-token latency (p50/p99), and how long /health and /metrics
-took to answer meanwhile, and the engine's steps in that run (from /metrics: those that fed prompt tokens and the
+took to answer meanwhile, and the engine's steps in that run (from /v1/stats: those that fed prompt tokens and the
 others, their mean ms and how many took past each bound); at the end, its decode steps by batch size. A plot of
 aggregate tok/s against N beside the JSON.
 
@@ -106,27 +106,20 @@ def load(client: Client, clients: int, requests: int, vocab: int, seed: int) -> 
             "probe_p99_ms": 1e3 * quantile(probes, 0.99), "probe_max_ms": 1e3 * max(probes, default=0.0)}
 
 
-def step_times(metrics: bytes) -> dict[str, list[float]]:
-    """The engine steps' wall-time histogram from /metrics: per kind ("prompt": steps that fed prompt tokens,
-    "decode": the others), cumulative counts per bucket, then the sum of seconds."""
-    out: dict[str, list[float]] = {"prompt": [], "decode": []}
-    for line in metrics.decode().splitlines():
-        if line.startswith(("moestream_engine_step_seconds_bucket{", "moestream_engine_step_seconds_sum{")):
-            kind = "prompt" if 'prompt="yes"' in line else "decode"
-            out[kind].append(float(line.rsplit(" ", 1)[1]))
-    return out
-
-
 def step_delta(before: dict, after: dict) -> dict:
-    """Steps taken between two scrapes: per kind, how many, their mean ms, and how many took past each bucket's
-    bound (from the histogram's cumulative counts; the last is the +Inf bucket)."""
+    """Engine steps taken between two reads of `stats()["steps"]` (via /v1/stats): per kind ("prompt": steps that fed
+    prompt tokens, "decode": the others), how many, their mean ms, and how many took past each bucket's bound."""
     out = {}
-    for kind in after:
-        counts = [a - b for a, b in zip(after[kind], before[kind] or [0.0] * len(after[kind]))]
-        total, seconds = counts[-2], counts[-1]
-        out[kind] = {"steps": int(total), "mean_ms": 1e3 * seconds / total if total else 0.0,
-                     "over": {bound: int(total - c) for bound, c in zip(STEP_BUCKETS, counts)}}
+    for kind, now in after.items():
+        counts = [a - b for a, b in zip(now["counts"], before[kind]["counts"])]
+        total, seconds = sum(counts), now["seconds"] - before[kind]["seconds"]
+        out[kind] = {"steps": total, "mean_ms": 1e3 * seconds / total if total else 0.0,
+                     "over": {bound: sum(counts[i + 1:]) for i, bound in enumerate(STEP_BUCKETS)}}
     return out
+
+
+def engine_steps(client: Client) -> dict:
+    return json.loads(client.get("/v1/stats")[1])["engine"]["steps"]
 
 
 def decode_steps_by_batch(metrics: bytes) -> dict[int, int]:
@@ -190,9 +183,9 @@ def main() -> None:
         client.complete([1, 2, 3], 4)  # the first request's one-time costs
         rows = []
         for n in (int(c) for c in args.clients.split(",")):
-            before = step_times(client.get("/metrics")[1])
+            before = engine_steps(client)
             rows.append(load(client, n, args.requests, vocab, seed=n))
-            rows[-1]["engine_steps"] = step_delta(before, step_times(client.get("/metrics")[1]))
+            rows[-1]["engine_steps"] = step_delta(before, engine_steps(client))
             print(json.dumps(rows[-1]), flush=True)
         steps = decode_steps_by_batch(client.get("/metrics")[1])
     finally:
