@@ -199,7 +199,8 @@ class Decoder:
                     self.graphs[key][0].replay()  # the first replay uploads the graph
             for rows in range(2, self.max_batch + 1):  # a first-use capture stalls every running sequence ~0.1 s
                 if addresses is not None and not self.budgeted:
-                    states = [self.new_state(slot) for slot in range(rows)]
+                    with torch.inference_mode(False):  # the slots' states outlive the warm-up
+                        states = [self.new_state(slot) for slot in range(rows)]
                     key, view = (rows, True), self._view(states)
                     self._run(key, view, addresses)
                     self._capture(key, view, addresses, (*(s.capacity for s in states), self._grown()))

@@ -65,4 +65,4 @@ def test_gpu_every_batch_size_is_captured_at_load_and_no_request_captures(tiny, 
     finally:
         llm.close()
         torch.cuda.empty_cache()
-    assert together == alone and captures == [] and replayed >= GREEDY.max_tokens
+    assert together == alone and captures == [] and replayed >= GREEDY.max_tokens - 1  # the first token is the prompt's
