@@ -1,5 +1,6 @@
 """Continuous batching: up to `max_batch` sequences decode together, one token each per step, while new prompts
-are prefilled a chunk per step between those steps, so a long prompt delays the others by a chunk at a time.
+are prefilled a chunk per step between those steps, so a long prompt delays the others by a chunk at a time. A
+prompt whose forward is a graph replays beside the decoding steps (engine/prefill.py) and joins them when it lands.
 
 Running sequences hold the decoder's first batch slots, so the batch's graph (one per size) replays over the same
 buffers whatever sequences they hold; the one prompt being prefilled holds the slot after them. A sequence that
@@ -123,11 +124,15 @@ class Scheduler:
                 request.generation = request.open(request.slot)
                 if self._fork(request):
                     continue
-            request = self.prefilling
-            before = request.generation.seq.state.length
-            self._deliver(request, request.generation.prefill_chunk())
-            budget -= request.generation.seq.state.length - before
-            if request.generation.prefilled:
+            request, g = self.prefilling, self.prefilling.generation
+            if not g.launched:  # else it was launched aside in an earlier step
+                before = g.seq.state.length
+                g.launch(aside=bool(self.running))
+                budget -= g.seq.state.length - before
+            if not g.landed and self.running and not self._grows():
+                break  # the running ones step meanwhile
+            self._deliver(request, g.land())
+            if g.prefilled:
                 self._keep_for_forks(request)
                 if not request.finished:
                     self.prefilling = None
@@ -137,6 +142,11 @@ class Scheduler:
             self._decode()
         if fed or decoded:
             self.step_times["prompt" if fed else "decode"].observe(time.perf_counter() - tic)
+
+    def _grows(self) -> bool:
+        """Whether the running sequences' next step may grow the KV pool (moving the stores a chunk aside writes)."""
+        kv = self.decoder.kv
+        return kv is not None and not kv.bounded and len(kv.free) < 2 * len(self.running)  # <= 1 block a row run
 
     def _fits(self, request: Request) -> bool:
         """Whether a bounded KV cache can promise `request` every block it may fill, beside the running ones' (so
@@ -206,6 +216,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         request.finished, request.finish_reason = True, reason
         if request.generation is not None:  # it held a slot: its KV blocks go back
+            request.generation.settle()
             request.generation.seq.state.release()
         self.promised -= request.promised
         request.promised = 0

@@ -28,12 +28,14 @@ def test_gpu_eight_requests_together_get_the_tokens_each_gets_alone(tiny, tmp_pa
         replays = llm.decoder.graph_replays
         together = [out.token_ids for out in llm.generate(prompts, GREEDY)]
         graphed = (8, True) in llm.decoder.graphs and llm.decoder.graph_replays > replays
+        aside = llm.prefiller.aside  # prompts replayed beside the decoding steps
         expect_graphs = setting in ("resident", "25% pool + host")  # every record addressable
     finally:
         llm.close()
         torch.cuda.empty_cache()
     assert together == alone
     assert graphed == expect_graphs
+    assert (aside > 0) == (setting == "resident" and model_type in ("qwen3_moe", "qwen2_moe"))
 
 
 def test_gpu_batches_past_the_reserved_context_keep_their_tokens(tiny):
