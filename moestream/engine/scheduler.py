@@ -60,7 +60,8 @@ class Request:
 class Scheduler:
     def __init__(self, decoder, max_batch: int, prefill_tokens: int):
         """`max_batch`: the most sequences that run at once (1 with MTP drafts, or a PLE table on disk);
-        `prefill_tokens`: the prompt tokens a step feeds, a chunk of one prompt or several short prompts whole."""
+        `prefill_tokens`: the prompt tokens a step feeds, a chunk of one prompt or several short prompts whole;
+        while others decode, a prompt that would take the step past them waits for the next."""
         self.decoder, self.max_batch, self.prefill_tokens = decoder, max_batch, prefill_tokens
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
@@ -112,11 +113,13 @@ class Scheduler:
                 self.cancel(request)
         if self.forked is not None and not self._awaited(self.forked[0]):
             self._drop_forked()
-        budget = self.prefill_tokens
-        while budget > 0:
+        spent = 0  # prompt tokens this step fed
+        while spent < self.prefill_tokens:
             if self.prefilling is None:
                 if not self.waiting or len(self.running) >= self.max_batch or not self._fits(self.waiting[0]):
                     break
+                if spent and self.running and spent + len(self.waiting[0].prompt) > self.prefill_tokens:
+                    break  # the decoding sequences wait for at most a step's prompt tokens, not one prompt more
                 request = self.prefilling = self.waiting.popleft()
                 request.promised = blocks_for(request.rows)
                 self.promised += request.promised
@@ -128,7 +131,7 @@ class Scheduler:
             if not g.launched:  # else it was launched aside in an earlier step
                 before = g.seq.state.length
                 g.launch(aside=bool(self.running))
-                budget -= g.seq.state.length - before
+                spent += g.seq.state.length - before
             if not g.landed and self.running and not self._grows():
                 break  # the running ones step meanwhile
             self._deliver(request, g.land())
@@ -137,7 +140,7 @@ class Scheduler:
                 if not request.finished:
                     self.prefilling = None
                     self._join(request)
-        decoded, fed = bool(self.running), budget < self.prefill_tokens
+        decoded, fed = bool(self.running), spent > 0
         if decoded:
             self._decode()
         if fed or decoded:

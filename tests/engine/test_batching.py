@@ -213,6 +213,22 @@ def test_steps_are_timed_apart_by_whether_they_fed_prompt_tokens(tiny):
     assert steps["prompt"]["seconds"] > 0 and steps["decode"]["seconds"] > 0
 
 
+def test_while_others_decode_a_prompt_past_the_steps_budget_waits_a_step(tiny):
+    """Each decoding sequence waits at most a step's prompt tokens (a prefill chunk): a prompt that would take the
+    step past them is prefilled in the next one."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=32)
+    try:
+        llm._submit(prompt_of(llm, 5, seed=0), GREEDY)
+        llm.step()  # it decodes from here on
+        later = [llm._submit(prompt_of(llm, 20, seed=i), GREEDY) for i in (1, 2)]  # 40 tokens past 32
+        llm.step()
+        assert len(llm.scheduler.running) == 2 and later[0].steps and not later[1].steps
+        llm.step()
+        assert len(llm.scheduler.running) == 3
+    finally:
+        llm.close()
+
+
 def test_lookup_drafts_alone_and_plain_rows_in_a_batch(tiny):
     """With --spec lookup a sequence alone verifies drafts; several run as plain batched rows. Greedy tokens stay
     those of speculation off either way."""
