@@ -47,6 +47,7 @@ class Decoder:
         kernels). `max_rows`: the most rows a verify step has (1 + drafts); `max_batch`: a batched step's.
         `kv_tokens`: the positions the slots' shared KV pool holds (bounded), or None (it grows as they need)."""
         self.model, self.provider, self.mode, self.max_context = model, provider, cfg.decode_mode, cfg.max_context
+        self.budgeted = cfg.gpu_gb is not None  # batch graphs' memory is not in the plan: captured on first use
         self.device, self.dtype, self.max_rows, self.max_batch = device, dtype, max_rows, max_batch
         self.static = (device.type == "cuda" or max_rows > 1 or max_batch > 1) if static is None else static
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the first row's
@@ -181,8 +182,9 @@ class Decoder:
         return hidden.clone(), logits.clone()  # a replay overwrites the graph's output buffers
 
     def warm(self) -> None:
-        """Run the static steps of every row count once (kernels compiled) and capture their graphs now, when the
-        records are addressable, so that no request pays for either; the state is reset by the next `new_state`."""
+        """Run the static steps of every row count and batch size once (kernels compiled) and capture their graphs
+        now, when the records are addressable, so that no request pays for either (batch graphs not under a GPU
+        budget); the states are reset by the next `new_state`."""
         if not self.static:
             return
         with torch.inference_mode():
@@ -195,9 +197,17 @@ class Decoder:
                     self._run(key, self.state, addresses)
                     self._capture(key, self.state, addresses, (self.state.capacity, self._grown()))
                     self.graphs[key][0].replay()  # the first replay uploads the graph
-            for rows in range(2, self.max_batch + 1):  # compiled only: a batch's graph is captured on first use
-                view = SequenceState([Batched([layer] * rows) for layer in self.state.layers])
-                self._run((rows, True), view, None, scratch=True)
+            for rows in range(2, self.max_batch + 1):  # a first-use capture stalls every running sequence ~0.1 s
+                if addresses is not None and not self.budgeted:
+                    with torch.inference_mode(False):  # the slots' states outlive the warm-up
+                        states = [self.new_state(slot) for slot in range(rows)]
+                    key, view = (rows, True), self._view(states)
+                    self._run(key, view, addresses)
+                    self._capture(key, view, addresses, (*(s.capacity for s in states), self._grown()))
+                    self.graphs[key][0].replay()
+                else:  # compiled only: captured on first use
+                    view = SequenceState([Batched([layer] * rows) for layer in self.state.layers])
+                    self._run((rows, True), view, None, scratch=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

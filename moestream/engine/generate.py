@@ -81,14 +81,16 @@ class Generation:
         a prompt chunk (engine/prefill.py's Prefiller, told whether it is the whole prompt; default the eager
         forward)."""
         self.model, self.seq, self.eos, self.chunk, self.device = model, seq, eos, chunk, device
-        self.forward = forward or (lambda ids, state, whole: model(torch.tensor(ids, device=device), state))
+        self.forward = forward or (lambda ids, state, whole, aside=False: model(torch.tensor(ids, device=device),
+                                                                                state))
         self.on_boundary = on_boundary
         self.speculator = speculator if constraint is None and seq.params.logprobs is None else None
         self.sampler = Sampler(seq.params, device, constraint)
         self.last: int | None = None  # the token the next step feeds
         self.finish_reason: str | None = None
         self.prompt_logits: torch.Tensor | None = None  # the prompt's last logits, once prefilled (for `fork`)
-        self._decode_start = 0.0
+        self._decode_start = self._prefill_start = 0.0
+        self._chunk: tuple | None = None  # a launched chunk: (start, stop, its hidden rows or their Landing)
 
     @property
     def prefilled(self) -> bool:
@@ -97,13 +99,42 @@ class Generation:
     def _history(self) -> list[int]:
         return self.seq.prompt + self.seq.generated if self.sampler.needs_history else []
 
-    @torch.inference_mode()
     def prefill_chunk(self) -> list[Step]:
         """Feed the prompt up to its next chunk boundary (`chunk_end`); after the last, the first token."""
-        seq, state, t = self.seq, self.seq.state, self.seq.timings
-        tic = time.perf_counter()
+        self.launch()
+        return self.land()
+
+    @torch.inference_mode()
+    def launch(self, aside: bool = False) -> None:
+        """Start the prompt's next chunk; `aside`: beside decoding steps, when it can (engine/prefill.py), landed by
+        `land` once `landed`."""
+        seq, state = self.seq, self.seq.state
+        self._prefill_start = time.perf_counter()
         start, stop = state.length, chunk_end(state.length, len(seq.prompt), self.chunk)
-        hidden = self.forward(seq.prompt[start: stop], state, start == 0 and stop == len(seq.prompt))
+        self._chunk = start, stop, self.forward(seq.prompt[start: stop], state, start == 0 and stop == len(seq.prompt),
+                                                aside)
+
+    @property
+    def launched(self) -> bool:
+        return self._chunk is not None
+
+    @property
+    def landed(self) -> bool:
+        """Whether the launched chunk's rows are there (one launched aside, once the GPU has run it)."""
+        return self._chunk is not None and (isinstance(self._chunk[2], torch.Tensor) or self._chunk[2].ready())
+
+    def settle(self) -> None:
+        """Wait for a chunk launched aside (its sequence ends: its KV blocks may go to another only after it)."""
+        if self._chunk is not None and not isinstance(self._chunk[2], torch.Tensor):
+            self._chunk = (*self._chunk[:2], self._chunk[2].hidden())  # later steps' work waits for it
+
+    @torch.inference_mode()
+    def land(self) -> list[Step]:
+        """The launched chunk's rows used; after the prompt's last, its first token."""
+        seq, state, t = self.seq, self.seq.state, self.seq.timings
+        (start, stop, hidden), self._chunk, tic = self._chunk, None, self._prefill_start
+        if not isinstance(hidden, torch.Tensor):
+            hidden = hidden.hidden()
         if seq.params.prompt_logprobs is not None:
             self._prompt_logprobs(hidden, seq.prompt[start + 1: stop + 1])
         if self.speculator is not None:

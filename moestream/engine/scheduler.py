@@ -1,5 +1,6 @@
 """Continuous batching: up to `max_batch` sequences decode together, one token each per step, while new prompts
-are prefilled a chunk per step between those steps, so a long prompt delays the others by a chunk at a time.
+are prefilled a chunk per step between those steps, so a long prompt delays the others by a chunk at a time. A
+prompt whose forward is a graph replays beside the decoding steps (engine/prefill.py) and joins them when it lands.
 
 Running sequences hold the decoder's first batch slots, so the batch's graph (one per size) replays over the same
 buffers whatever sequences they hold; the one prompt being prefilled holds the slot after them. A sequence that
@@ -59,7 +60,8 @@ class Request:
 class Scheduler:
     def __init__(self, decoder, max_batch: int, prefill_tokens: int):
         """`max_batch`: the most sequences that run at once (1 with MTP drafts, or a PLE table on disk);
-        `prefill_tokens`: the prompt tokens a step feeds, a chunk of one prompt or several short prompts whole."""
+        `prefill_tokens`: the prompt tokens a step feeds, a chunk of one prompt or several short prompts whole;
+        while others decode, a prompt that would take the step past them waits for the next."""
         self.decoder, self.max_batch, self.prefill_tokens = decoder, max_batch, prefill_tokens
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
@@ -111,11 +113,13 @@ class Scheduler:
                 self.cancel(request)
         if self.forked is not None and not self._awaited(self.forked[0]):
             self._drop_forked()
-        budget = self.prefill_tokens
-        while budget > 0:
+        spent = 0  # prompt tokens this step fed
+        while spent < self.prefill_tokens:
             if self.prefilling is None:
                 if not self.waiting or len(self.running) >= self.max_batch or not self._fits(self.waiting[0]):
                     break
+                if spent and self.running and spent + len(self.waiting[0].prompt) > self.prefill_tokens:
+                    break  # the decoding sequences wait for at most a step's prompt tokens, not one prompt more
                 request = self.prefilling = self.waiting.popleft()
                 request.promised = blocks_for(request.rows)
                 self.promised += request.promised
@@ -123,20 +127,29 @@ class Scheduler:
                 request.generation = request.open(request.slot)
                 if self._fork(request):
                     continue
-            request = self.prefilling
-            before = request.generation.seq.state.length
-            self._deliver(request, request.generation.prefill_chunk())
-            budget -= request.generation.seq.state.length - before
-            if request.generation.prefilled:
+            request, g = self.prefilling, self.prefilling.generation
+            if not g.launched:  # else it was launched aside in an earlier step
+                before = g.seq.state.length
+                g.launch(aside=bool(self.running))
+                spent += g.seq.state.length - before
+            if not g.landed and self.running and not self._grows():
+                break  # the running ones step meanwhile
+            self._deliver(request, g.land())
+            if g.prefilled:
                 self._keep_for_forks(request)
                 if not request.finished:
                     self.prefilling = None
                     self._join(request)
-        decoded, fed = bool(self.running), budget < self.prefill_tokens
+        decoded, fed = bool(self.running), spent > 0
         if decoded:
             self._decode()
         if fed or decoded:
             self.step_times["prompt" if fed else "decode"].observe(time.perf_counter() - tic)
+
+    def _grows(self) -> bool:
+        """Whether the running sequences' next step may grow the KV pool (moving the stores a chunk aside writes)."""
+        kv = self.decoder.kv
+        return kv is not None and not kv.bounded and len(kv.free) < 2 * len(self.running)  # <= 1 block a row run
 
     def _fits(self, request: Request) -> bool:
         """Whether a bounded KV cache can promise `request` every block it may fill, beside the running ones' (so
@@ -206,6 +219,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         request.finished, request.finish_reason = True, reason
         if request.generation is not None:  # it held a slot: its KV blocks go back
+            request.generation.settle()
             request.generation.seq.state.release()
         self.promised -= request.promised
         request.promised = 0

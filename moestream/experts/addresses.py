@@ -94,9 +94,10 @@ class AddressTable:
         res.settle()
         table = torch.tensor(table, dtype=torch.int64).view(g.num_layers, g.num_experts)
         if self.addresses is None:
-            self.addresses = torch.empty_like(table, device=res.device.device)
-            if res.miss != res.base:
-                self.record_bits = torch.empty(table.shape, dtype=torch.int32, device=res.device.device)
+            with torch.inference_mode(False):  # the table outlives the step that first builds it; later ones write it
+                self.addresses = torch.empty_like(table, device=res.device.device)
+                if res.miss != res.base:
+                    self.record_bits = torch.empty(table.shape, dtype=torch.int32, device=res.device.device)
         self.addresses.copy_(table)
         if res.miss != res.base:
             bits = [res.layouts[p].bits for p in precisions]

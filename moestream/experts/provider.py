@@ -123,6 +123,10 @@ class ExpertProvider:
         for layer in layers:
             self.residency.note_placed(layer)
 
+    def flush(self) -> None:
+        """Count the steps noted so far now (before a replay aside adds to the device's placed counts)."""
+        self.residency.flush()
+
     def _scratch_parts(self, ids: torch.Tensor) -> Iterator[ExpertBatch]:
         """The step's experts, grouped as a real step groups them, each computed from one zeroed record at each
         precision: every kernel variant the step's shape picks is compiled and run once, with no fetch and no

@@ -103,6 +103,76 @@ def test_a_cancelled_request_leaves_before_the_next_step(tiny):
         llm.close()
 
 
+class _Aside:
+    """The Prefiller, whose whole prompts launched aside land only after `polls` checks (as a replay on the GPU's side
+    stream would, while the running sequences step)."""
+
+    def __init__(self, prefiller, polls: int):
+        self.prefiller, self.polls, self.landings = prefiller, polls, []
+
+    def __getattr__(self, name):
+        return getattr(self.prefiller, name)
+
+    def __call__(self, ids, state, whole=True, aside=False):
+        hidden = self.prefiller(ids, state, whole)
+        if not aside:
+            return hidden
+        self.landings.append(landing := _Landing(hidden, self.polls))
+        return landing
+
+
+class _Landing:
+    def __init__(self, rows: torch.Tensor, polls: int):
+        self.rows, self.polls, self.landed = rows, polls, False
+
+    def ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def hidden(self) -> torch.Tensor:
+        self.landed = True
+        return self.rows
+
+
+def test_a_prompt_launched_aside_joins_when_it_lands_and_the_others_step_meanwhile(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    try:
+        prompts = _prompts(llm, 4)
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        llm.prefiller = aside = _Aside(llm.prefiller, polls=3)
+        requests = [llm._submit(p, GREEDY) for p in prompts]
+        llm.step()  # the first prompt alone: prefilled in the step; the second launched aside (a check)
+        assert len(llm.scheduler.running) == 1 and llm.scheduler.prefilling is requests[1]
+        for _ in range(2):
+            llm.step()
+            assert len(llm.scheduler.running) == 1 and not aside.landings[0].landed
+        llm.step()
+        assert len(llm.scheduler.running) == 2
+        while llm.scheduler.busy:
+            llm.step()
+    finally:
+        llm.close()
+    assert [[s.token for s in r.steps] for r in requests] == alone
+    assert len(aside.landings) == 3 and all(landing.landed for landing in aside.landings)
+
+
+def test_a_request_cancelled_while_its_prompt_runs_aside_waits_for_it_before_its_blocks_go_back(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    try:
+        llm.prefiller = aside = _Aside(llm.prefiller, polls=100)
+        stop = {"now": False}
+        prompts = _prompts(llm, 2)
+        requests = [llm._submit(prompts[0], GREEDY), llm._submit(prompts[1], GREEDY, cancelled=lambda: stop["now"])]
+        llm.step()
+        assert llm.scheduler.prefilling is requests[1] and not aside.landings[0].landed
+        stop["now"] = True
+        llm.step()
+        assert requests[1].finish_reason == "cancelled" and aside.landings[0].landed
+        assert llm.scheduler.prefilling is None and len(llm.scheduler.running) == 1
+    finally:
+        llm.close()
+
+
 def test_seeded_sampling_is_the_same_in_a_batch(tiny):
     llm = LLM(tiny.store("qwen3_moe"), device="cpu")
     try:
@@ -141,6 +211,22 @@ def test_steps_are_timed_apart_by_whether_they_fed_prompt_tokens(tiny):
     prompt, decode = sum(steps["prompt"]["counts"]), sum(steps["decode"]["counts"])
     assert prompt >= 2 and decode >= GREEDY.max_tokens - 3 and prompt + decode == taken
     assert steps["prompt"]["seconds"] > 0 and steps["decode"]["seconds"] > 0
+
+
+def test_while_others_decode_a_prompt_past_the_steps_budget_waits_a_step(tiny):
+    """Each decoding sequence waits at most a step's prompt tokens (a prefill chunk): a prompt that would take the
+    step past them is prefilled in the next one."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_chunk=32)
+    try:
+        llm._submit(prompt_of(llm, 5, seed=0), GREEDY)
+        llm.step()  # it decodes from here on
+        later = [llm._submit(prompt_of(llm, 20, seed=i), GREEDY) for i in (1, 2)]  # 40 tokens past 32
+        llm.step()
+        assert len(llm.scheduler.running) == 2 and later[0].steps and not later[1].steps
+        llm.step()
+        assert len(llm.scheduler.running) == 3
+    finally:
+        llm.close()
 
 
 def test_lookup_drafts_alone_and_plain_rows_in_a_batch(tiny):

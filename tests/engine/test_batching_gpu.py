@@ -28,12 +28,14 @@ def test_gpu_eight_requests_together_get_the_tokens_each_gets_alone(tiny, tmp_pa
         replays = llm.decoder.graph_replays
         together = [out.token_ids for out in llm.generate(prompts, GREEDY)]
         graphed = (8, True) in llm.decoder.graphs and llm.decoder.graph_replays > replays
+        aside = llm.prefiller.aside  # prompts replayed beside the decoding steps
         expect_graphs = setting in ("resident", "25% pool + host")  # every record addressable
     finally:
         llm.close()
         torch.cuda.empty_cache()
     assert together == alone
     assert graphed == expect_graphs
+    assert (aside > 0) == (setting == "resident" and model_type in ("qwen3_moe", "qwen2_moe"))
 
 
 def test_gpu_batches_past_the_reserved_context_keep_their_tokens(tiny):
@@ -48,3 +50,21 @@ def test_gpu_batches_past_the_reserved_context_keep_their_tokens(tiny):
     finally:
         llm.close()
         torch.cuda.empty_cache()
+
+
+def test_gpu_every_batch_size_is_captured_at_load_and_no_request_captures(tiny, monkeypatch):
+    """A first-use capture stalls every running sequence for a step (~0.1 s on the 30B): the load captures them all."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cuda")
+    try:
+        assert all((rows, True) in llm.decoder.graphs for rows in range(2, llm.max_batch + 1))
+        captures, capture = [], llm.decoder._capture
+        monkeypatch.setattr(llm.decoder, "_capture", lambda *args: (captures.append(args[0]), capture(*args)))
+        prompts = _prompts(llm, 5)
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        replays = llm.decoder.graph_replays
+        together = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+        replayed = llm.decoder.graph_replays - replays
+    finally:
+        llm.close()
+        torch.cuda.empty_cache()
+    assert together == alone and captures == [] and replayed >= GREEDY.max_tokens - 1  # the first token is the prompt's
