@@ -70,19 +70,18 @@ def prefill(model: CausalLM, ids: list[int], state: SequenceState, chunk: int, d
 
 class Generation:
     """One sequence's generation, stepped by the scheduler (engine/scheduler.py): its prompt a chunk at a time
-    (`prefill_chunk`), then its tokens one per step, alone (`step_alone`, with drafts verified in the same step when
-    there is a `speculator`) or as one row of a batched step (`take`). Each returns the new `Step`s; the last one
-    carries the finish reason."""
+    (`launch`, then `land`), then its tokens one per step, alone (`step_alone`, with drafts verified in the same step
+    when there is a `speculator`) or as one row of a batched step (`take`). `land` and those return the new `Step`s;
+    the last one carries the finish reason."""
 
     def __init__(self, model: CausalLM, seq: Sequence, eos: set[int], chunk: int, device: torch.device,
                  on_boundary=None, speculator: Speculator | None = None, constraint=None, forward=None):
         """`constraint`: the grammar `seq.params.structure` asks for (engine/grammar.py). A constrained sequence, or
-        one whose log probabilities are asked for, runs no drafts. `forward(ids, state, whole) -> hidden rows` feeds
-        a prompt chunk (engine/prefill.py's Prefiller, told whether it is the whole prompt; default the eager
-        forward)."""
+        one whose log probabilities are asked for, runs no drafts. `forward(ids, state, whole, aside)` feeds a
+        prompt chunk (engine/prefill.py's Prefiller, told whether it is the whole prompt and may run beside decoding
+        steps), returning its hidden rows or their Landing; default the eager forward."""
         self.model, self.seq, self.eos, self.chunk, self.device = model, seq, eos, chunk, device
-        self.forward = forward or (lambda ids, state, whole, aside=False: model(torch.tensor(ids, device=device),
-                                                                                state))
+        self.forward = forward or (lambda ids, state, whole, aside: model(torch.tensor(ids, device=device), state))
         self.on_boundary = on_boundary
         self.speculator = speculator if constraint is None and seq.params.logprobs is None else None
         self.sampler = Sampler(seq.params, device, constraint)
@@ -99,15 +98,11 @@ class Generation:
     def _history(self) -> list[int]:
         return self.seq.prompt + self.seq.generated if self.sampler.needs_history else []
 
-    def prefill_chunk(self) -> list[Step]:
-        """Feed the prompt up to its next chunk boundary (`chunk_end`); after the last, the first token."""
-        self.launch()
-        return self.land()
-
     @torch.inference_mode()
     def launch(self, aside: bool = False) -> None:
-        """Start the prompt's next chunk; `aside`: beside decoding steps, when it can (engine/prefill.py), landed by
-        `land` once `landed`."""
+        """Start feeding the prompt up to its next chunk boundary (`chunk_end`); `aside`: beside decoding steps,
+        when it can (engine/prefill.py). `land` takes its rows once `landed`; after the prompt's last chunk, the
+        first token."""
         seq, state = self.seq, self.seq.state
         self._prefill_start = time.perf_counter()
         start, stop = state.length, chunk_end(state.length, len(seq.prompt), self.chunk)
