@@ -5,7 +5,8 @@ took to answer meanwhile, and the engine's steps in that run (from /v1/stats: th
 others, their mean ms and how many took past each bound); at the end, its decode steps by batch size. A plot of
 aggregate tok/s against N beside the JSON.
 
-  python -m benchmarks.serving STORE OUT.json [--clients 1,2,4,8,16,32] [--requests 2] [-- SERVE OPTIONS...]
+  python -m benchmarks.serving STORE OUT.json [--clients 1,2,4,8,16,32] [--requests 2] [--pool-frac 0.25 --host]
+      [-- SERVE OPTIONS...]
   python -m benchmarks.serving --plot OUT.png RUN.json...
 """
 
@@ -152,6 +153,15 @@ def plot(runs: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def tier_options(store: str, pool_frac: float | None, host: bool) -> list[str]:
+    """`moestream serve` options for a pool of `pool_frac` of the store's expert records (the rest in the host tier
+    with `host`), as benchmarks/batching.py sizes them."""
+    opened = open_store(store)
+    total_gb = opened.manifest.geometry.num_records * opened.manifest.layouts[opened.default_precision].stride / 1e9
+    pool = ["--pool-gb", f"{total_gb * pool_frac * 1.0001:.9g}"] if pool_frac is not None else []
+    return pool + (["--host-gb", f"{total_gb * 1.01:.9g}"] if host else [])
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--plot"]:  # --plot OUT.png RUN.json...: the runs on one plot
         plot([json.load(open(path)) for path in sys.argv[3:]], sys.argv[2])
@@ -163,9 +173,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
     p.add_argument("--port", type=int, default=8431)
     p.add_argument("--label", default="")
+    p.add_argument("--pool-frac", type=float, help="a GPU pool of this fraction of the experts (default: the server's)")
+    p.add_argument("--host", action="store_true", help="the rest of the experts in the pinned host tier")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args, options = p.parse_args(argv[:cut]), argv[cut + 1:]  # after --: options for `moestream serve`
+    options = tier_options(args.store, args.pool_frac, args.host) + options
     server = subprocess.Popen([sys.executable, "-m", "moestream", "serve", args.store, "--port", str(args.port),
                                "--max-queue", "256", "--log-level", "warning", *options])
     client = Client(args.port)
