@@ -431,6 +431,7 @@ class EngineConfig:
     # sequences decoded together (continuous batching; engine/scheduler.py): each holds a decode state (recurrent
     # states, row maps) once it runs and KV blocks as it fills them; 1 with MTP drafts, or a PLE table on disk
     max_batch: int = 16
+    prefill_sms: int = 0  # SMs a prompt may take while others decode (a green context, engine/prefill.py); 0: all
     # GPUs of one host the experts are spread over (engine/ranks.py): each holds expert e of every layer where
     # e % gpus is its rank, with the pool and host-tier budgets given per GPU; on the CPU, processes (tests)
     gpus: int = 1
@@ -446,10 +447,10 @@ class EngineConfig:
         _check(_finite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0, "prefix_cache_mb must be a number >= 0")
         _check(_finite(self.gpu_gb) and (self.gpu_gb is None or self.gpu_gb > 0), "--gpu-gb must be a number > 0")
         _check(self.ngram_tier in NGRAM_TIERS, f"ngram_tier {self.ngram_tier!r}: choose {', '.join(NGRAM_TIERS)}")
-        _check(self.speculation in SPECULATION,
-               f"speculation {self.speculation!r}: choose {', '.join(SPECULATION)}")
+        _check(self.speculation in SPECULATION, f"speculation {self.speculation!r}: choose {', '.join(SPECULATION)}")
         _check(isinstance(self.max_batch, int) and 1 <= self.max_batch <= MAX_BATCH,
                f"--max-batch {self.max_batch!r}: choose 1..{MAX_BATCH}")
+        _check(isinstance(self.prefill_sms, int) and self.prefill_sms >= 0, "--prefill-sms: choose a number >= 0")
         _check(isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS, f"--gpus {self.gpus!r}: choose 1..{MAX_GPUS}")
         _check(self.gpus == 1 or self.gpu_gb is None,
                "--gpu-gb plans one GPU's memory; with --gpus give each GPU's --pool-gb (and --host-gb)")

@@ -50,7 +50,7 @@ def test_engine_config_takes_overrides_by_name_and_checks_them():
     assert (cfg.max_context, cfg.prefill_chunk, cfg.expert.pool_gb, cfg.expert.precision) == (64, 8, 2.5, "bf16")
     for bad in (dict(pool_gb=float("nan")), dict(host_gb=-1.0), dict(ring_group=0), dict(experts=5),
                 dict(experts=2, miss_experts=3), dict(decode_mode="fast"), dict(prefix_cache_mb=-1.0),
-                dict(no_such_option=1)):
+                dict(prefill_sms=-1), dict(no_such_option=1)):
         with pytest.raises(ConfigError):
             EngineConfig().with_overrides(**bad)
     with pytest.raises(ConfigError, match="io_timeout_s"):

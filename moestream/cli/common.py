@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
                    help=f"sequences decoded together, each with its own recurrent states and KV blocks (default "
                         f"{defaults.max_batch}; 1 with --spec mtp; with --spec lookup a sequence drafts while it runs "
                         "alone)")
+    p.add_argument("--prefill-sms", type=int, metavar="N",
+                   help="SMs a prompt's prefill may take while other sequences decode (a CUDA green context), so "
+                        "that their steps keep the rest (default: every SM)")
     p.add_argument("--gpus", type=int, choices=range(1, MAX_GPUS + 1), metavar=f"1..{MAX_GPUS}",
                    help="GPUs of this host to spread the experts over, expert e of each layer on GPU e %% N, each with "
                         "--pool-gb and --host-gb of its own (default 1)")
@@ -66,7 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",
                "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "kv_tokens", "prefill_chunk",
-               "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch", "gpus")
+               "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch", "prefill_sms", "gpus")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -10,8 +10,9 @@ each size's forward is one CUDA graph, captured at load over a state of its own 
 sequence's before each replay.
 
 While other sequences decode, such a replay runs `aside`: on a low-priority stream, the engine's steps on a
-high-priority one (`stepping`), so the decoding batch keeps stepping instead of waiting for a prompt. Both run the
-kernels they run alone, so the bits are the same.
+high-priority one (`stepping`), so the decoding batch keeps stepping instead of waiting for a prompt. With
+`aside_sms`, that replay is a second graph of the size captured on a green context's stream, whose kernels run on
+that many SMs only, leaving the rest to the batch. Both run the kernels they run alone, so the bits are the same.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moestream.errors import ConfigError
 from moestream.experts.provider import ExpertProvider, ExpertStep, Padding
 from moestream.layers.context import StepContext
 from moestream.models.base import CausalLM, SequenceState
@@ -41,7 +43,7 @@ class _Inputs:
 
 
 @dataclass
-class _Graph:
+class _Graph:  # one per size, and one more on the green context's SMs when prompts run aside on them
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [size, H], written by each replay
     grown: int  # the KV pool's moves when it was captured (its stores are the graph's)
@@ -63,23 +65,59 @@ class Landing:
         return self.graph.hidden[: self.rows].clone()
 
 
+def green_stream(device: torch.device, sms: int):
+    """A green context of `sms` SMs and a low-priority stream in it (CUDA 12.4+): torch's where it has them
+    (2.12+), else the driver's through cuda-python (`pip install cuda-bindings`)."""
+    from torch.cuda.green_contexts import SUPPORTED, GreenContext
+
+    count, index = torch.cuda.get_device_properties(device).multi_processor_count, device.index or 0
+    if sms >= count:
+        raise ConfigError(f"--prefill-sms {sms}: this GPU has {count} SMs; choose fewer")
+    if SUPPORTED and hasattr(GreenContext, "Stream"):
+        green = GreenContext.create(num_sms=sms, device_id=index)
+        return green, green.Stream()
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        raise ConfigError("--prefill-sms needs green contexts: torch 2.12+, or `pip install cuda-bindings`") from None
+
+    def ok(result):
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            raise ConfigError(f"--prefill-sms {sms}: the driver refused a green context ({result[0].name})")
+        return result[1] if len(result) == 2 else result[1:]
+
+    dev = ok(driver.cuDeviceGet(index))
+    groups = ok(driver.cuDevSmResourceSplitByCount(1, ok(driver.cuDeviceGetDevResource(
+        dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)), 0, sms))[0]
+    green = ok(driver.cuGreenCtxCreate(ok(driver.cuDevResourceGenerateDesc([groups[0]], 1)), dev,
+                                       driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+    low = torch.cuda.Stream.priority_range()[0]
+    stream = ok(driver.cuGreenCtxStreamCreate(green, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, low))
+    return green, torch.cuda.ExternalStream(int(stream), device=device)
+
+
 class Prefiller:
     def __init__(self, model: CausalLM, provider: ExpertProvider, decoder, device: torch.device,
-                 dtype: torch.dtype, graphs: bool):
-        """`decoder` (engine/decode.py): its KV pool, which the graphs' own state keeps its rows in."""
+                 dtype: torch.dtype, graphs: bool, aside_sms: int = 0):
+        """`decoder` (engine/decode.py): its KV pool, which the graphs' own state keeps its rows in; `aside_sms`:
+        the SMs a replay aside may take (0: every SM)."""
         self.model, self.provider, self.decoder, self.device, self.dtype = model, provider, decoder, device, dtype
         self.graphs_on = graphs and device.type == "cuda" and model.pads_prompts and decoder.kv is not None
         self.graphs: dict[int, _Graph] = {}
+        self.partitioned: dict[int, _Graph] = {}  # the same forwards on the green context's SMs
         self.inputs: dict[int, _Inputs] = {}
         self.own: SequenceState | None = None
         self.pool = None  # the graphs' one memory pool: they replay one at a time, each output cloned at once
         self.layers = [block.layer_slot for block in model.moe_blocks()]
         self.replays = self.aside = 0  # replays, and those that ran beside decoding steps
         self.pending: Landing | None = None  # one at a time: the graphs share their memory
+        self.green = None
         if self.graphs_on:
             low, high = torch.cuda.Stream.priority_range()
             self.side = torch.cuda.Stream(device, priority=low)
             self.front = torch.cuda.Stream(device, priority=high)
+            if aside_sms:
+                self.green, self.side = green_stream(device, aside_sms)
 
     def rows(self, prompt_tokens: int) -> int:
         """The positions a prompt's first forward writes (its KV blocks)."""
@@ -101,10 +139,11 @@ class Prefiller:
             hidden = self.model(inputs.tokens, state, self._context(inputs, len(ids)))[: len(ids)]
         else:
             self.provider.flush()  # the replay adds to the device's counts of placed uses: none left uncounted
+            graph = self.partitioned[size] if aside and self.green is not None else self.graphs[size]
             with self._stream(aside) as stream:
                 self.own.caches[0].row_map[:size].copy_(state.caches[0].row_map[:size])  # one table for every layer
-                self.graphs[size].graph.replay()
-                self.pending = hidden = Landing(self, self.graphs[size], len(ids), stream.record_event())
+                graph.graph.replay()
+                self.pending = hidden = Landing(self, graph, len(ids), stream.record_event())
             self.replays += 1
             self.aside += aside
             if not aside:
@@ -168,12 +207,17 @@ class Prefiller:
         own.make_room(size)
         with self.provider.uncounted():
             self.model(inputs.tokens, own, self._context(inputs, 1))
-            graph = torch.cuda.CUDAGraph()
             self.pool = self.pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.model(inputs.tokens, own, self._context(inputs, 1))
+            self.graphs[size] = self._captured(inputs, own, None)
+            if self.green is not None:  # a node runs in the context of the stream it was captured on
+                self.partitioned[size] = self._captured(inputs, own, self.side)
         own.release()
-        self.graphs[size] = _Graph(graph, hidden, self.decoder.kv.grown)
+
+    def _captured(self, inputs: _Inputs, own: SequenceState, stream: torch.cuda.Stream | None) -> _Graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            hidden = self.model(inputs.tokens, own, self._context(inputs, 1))
+        return _Graph(graph, hidden, self.decoder.kv.grown)
 
     def _own(self) -> SequenceState:
         if self.own is None:
