@@ -66,34 +66,18 @@ class Landing:
 
 
 def green_stream(device: torch.device, sms: int):
-    """A green context of `sms` SMs and a low-priority stream in it (CUDA 12.4+): torch's where it has them
-    (2.12+), else the driver's through cuda-python (`pip install cuda-bindings`)."""
-    from torch.cuda.green_contexts import SUPPORTED, GreenContext
-
-    count, index = torch.cuda.get_device_properties(device).multi_processor_count, device.index or 0
+    """A green context of `sms` SMs (CUDA 12.4+, torch 2.11+) and a stream in it."""
+    try:
+        from torch.cuda.green_contexts import SUPPORTED, GreenContext
+    except ImportError:
+        SUPPORTED = False
+    count = torch.cuda.get_device_properties(device).multi_processor_count
     if sms >= count:
         raise ConfigError(f"--prefill-sms {sms}: this GPU has {count} SMs; choose fewer")
-    if SUPPORTED and hasattr(GreenContext, "Stream"):
-        green = GreenContext.create(num_sms=sms, device_id=index)
-        return green, green.Stream()
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        raise ConfigError("--prefill-sms needs green contexts: torch 2.12+, or `pip install cuda-bindings`") from None
-
-    def ok(result):
-        if result[0] != driver.CUresult.CUDA_SUCCESS:
-            raise ConfigError(f"--prefill-sms {sms}: the driver refused a green context ({result[0].name})")
-        return result[1] if len(result) == 2 else result[1:]
-
-    dev = ok(driver.cuDeviceGet(index))
-    groups = ok(driver.cuDevSmResourceSplitByCount(1, ok(driver.cuDeviceGetDevResource(
-        dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)), 0, sms))[0]
-    green = ok(driver.cuGreenCtxCreate(ok(driver.cuDevResourceGenerateDesc([groups[0]], 1)), dev,
-                                       driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-    low = torch.cuda.Stream.priority_range()[0]
-    stream = ok(driver.cuGreenCtxStreamCreate(green, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, low))
-    return green, torch.cuda.ExternalStream(int(stream), device=device)
+    if not (SUPPORTED and hasattr(GreenContext, "Stream")):
+        raise ConfigError("--prefill-sms needs green contexts: torch 2.11+ built with CUDA 12.4+")
+    green = GreenContext.create(num_sms=sms, device_id=device.index or 0)
+    return green, green.Stream()
 
 
 class Prefiller:
