@@ -114,6 +114,8 @@ class Scheduler:
         if self.forked is not None and not self._awaited(self.forked[0]):
             self._drop_forked()
         spent = 0  # prompt tokens this step fed
+        # prompts run aside only beside sequences that were decoding: into an idle engine, a burst comes in at once
+        decoding = bool(self.running)
         while spent < self.prefill_tokens:
             if self.prefilling is None:
                 if not self.waiting or len(self.running) >= self.max_batch or not self._fits(self.waiting[0]):
@@ -130,7 +132,7 @@ class Scheduler:
             request, g = self.prefilling, self.prefilling.generation
             if not g.launched:  # else it was launched aside in an earlier step
                 before = g.seq.state.length
-                g.launch(aside=bool(self.running))
+                g.launch(aside=decoding)
                 spent += g.seq.state.length - before
             if not g.landed and self.running and not self._grows():
                 break  # the running ones step meanwhile

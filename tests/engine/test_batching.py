@@ -16,6 +16,16 @@ def _prompts(llm: LLM, n: int = 8) -> list[list[int]]:
     return [prompt_of(llm, 3 + 5 * i, seed=i) for i in range(n)]  # 3..38 tokens: they join the batch apart
 
 
+def _arriving(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """The tokens of `prompts` that arrive while the first decodes (each after it launched aside, where it can)."""
+    requests = [llm._submit(prompts[0], GREEDY)]
+    llm.step()
+    requests += [llm._submit(p, GREEDY) for p in prompts[1:]]
+    while llm.scheduler.busy:
+        llm.step()
+    return [[s.token for s in r.steps] for r in requests]
+
+
 def _quarter_pool(store: str) -> dict:
     llm = LLM(store, device="cpu", max_batch=1)
     try:
@@ -140,8 +150,10 @@ def test_a_prompt_launched_aside_joins_when_it_lands_and_the_others_step_meanwhi
         prompts = _prompts(llm, 4)
         alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
         llm.prefiller = aside = _Aside(llm.prefiller, polls=3)
-        requests = [llm._submit(p, GREEDY) for p in prompts]
-        llm.step()  # the first prompt alone: prefilled in the step; the second launched aside (a check)
+        requests = [llm._submit(prompts[0], GREEDY)]
+        llm.step()  # the first prompt alone, into an idle engine
+        requests += [llm._submit(p, GREEDY) for p in prompts[1:]]
+        llm.step()  # the second launched aside (a check)
         assert len(llm.scheduler.running) == 1 and llm.scheduler.prefilling is requests[1]
         for _ in range(2):
             llm.step()
@@ -156,13 +168,32 @@ def test_a_prompt_launched_aside_joins_when_it_lands_and_the_others_step_meanwhi
     assert len(aside.landings) == 3 and all(landing.landed for landing in aside.landings)
 
 
+def test_a_burst_into_an_idle_engine_is_prefilled_in_one_step_none_aside(tiny):
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    try:
+        prompts = _prompts(llm, 4)
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        llm.prefiller = aside = _Aside(llm.prefiller, polls=3)
+        requests = [llm._submit(p, GREEDY) for p in prompts]
+        llm.step()
+        assert len(llm.scheduler.running) == 4 and not aside.landings
+        while llm.scheduler.busy:
+            llm.step()
+        assert [[s.token for s in r.steps] for r in requests] == alone
+        assert _arriving(llm, prompts) == alone and len(aside.landings) == 3  # the later ones while the first decodes
+    finally:
+        llm.close()
+
+
 def test_a_request_cancelled_while_its_prompt_runs_aside_waits_for_it_before_its_blocks_go_back(tiny):
     llm = LLM(tiny.store("qwen3_moe"), device="cpu")
     try:
         llm.prefiller = aside = _Aside(llm.prefiller, polls=100)
         stop = {"now": False}
         prompts = _prompts(llm, 2)
-        requests = [llm._submit(prompts[0], GREEDY), llm._submit(prompts[1], GREEDY, cancelled=lambda: stop["now"])]
+        requests = [llm._submit(prompts[0], GREEDY)]
+        llm.step()
+        requests.append(llm._submit(prompts[1], GREEDY, cancelled=lambda: stop["now"]))
         llm.step()
         assert llm.scheduler.prefilling is requests[1] and not aside.landings[0].landed
         stop["now"] = True

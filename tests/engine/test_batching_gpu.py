@@ -6,7 +6,7 @@ import torch
 from moestream.engine.llm import LLM
 from tests.conftest import MODEL_TYPES
 from tests.engine.runs import static_hyper_store
-from tests.engine.test_batching import GREEDY, _prompts, _quarter_pool
+from tests.engine.test_batching import GREEDY, _arriving, _prompts, _quarter_pool
 
 pytestmark = pytest.mark.gpu
 
@@ -26,14 +26,15 @@ def test_gpu_eight_requests_together_get_the_tokens_each_gets_alone(tiny, tmp_pa
         prompts = _prompts(llm)
         alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
         replays = llm.decoder.graph_replays
-        together = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+        together = [out.token_ids for out in llm.generate(prompts, GREEDY)]  # into an idle engine: all at once
         graphed = (8, True) in llm.decoder.graphs and llm.decoder.graph_replays > replays
+        arriving = _arriving(llm, prompts)
         aside = llm.prefiller.aside  # prompts replayed beside the decoding steps
         expect_graphs = setting.startswith("resident") or setting == "25% pool + host"  # every record addressable
     finally:
         llm.close()
         torch.cuda.empty_cache()
-    assert together == alone
+    assert together == alone and arriving == alone
     assert graphed == expect_graphs
     assert (aside > 0) == (setting.startswith("resident") and model_type in ("qwen3_moe", "qwen2_moe"))
 
