@@ -151,8 +151,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int  # 0 when the model has no shared expert
     norm_topk_prob: bool
     eos_token_ids: tuple[int, ...]
-    # Gated DeltaNet (hybrid models)
-    linear_num_key_heads: int = 0
+    linear_num_key_heads: int = 0  # Gated DeltaNet (hybrid models), these five
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
@@ -431,7 +430,7 @@ class EngineConfig:
     # sequences decoded together (continuous batching; engine/scheduler.py): each holds a decode state (recurrent
     # states, row maps) once it runs and KV blocks as it fills them; 1 with MTP drafts, or a PLE table on disk
     max_batch: int = 16
-    prefill_sms: int = 0  # SMs a prompt may take while others decode (a green context, engine/prefill.py); 0: all
+    prefill_sms: int | str = 0  # SMs a prompt takes while others decode (engine/prefill.py); 0: all; or "auto"
     # GPUs of one host the experts are spread over (engine/ranks.py): each holds expert e of every layer where
     # e % gpus is its rank, with the pool and host-tier budgets given per GPU; on the CPU, processes (tests)
     gpus: int = 1
@@ -450,7 +449,8 @@ class EngineConfig:
         _check(self.speculation in SPECULATION, f"speculation {self.speculation!r}: choose {', '.join(SPECULATION)}")
         _check(isinstance(self.max_batch, int) and 1 <= self.max_batch <= MAX_BATCH,
                f"--max-batch {self.max_batch!r}: choose 1..{MAX_BATCH}")
-        _check(isinstance(self.prefill_sms, int) and self.prefill_sms >= 0, "--prefill-sms: choose a number >= 0")
+        _check(self.prefill_sms == "auto" or isinstance(self.prefill_sms, int) and self.prefill_sms >= 0,
+               "--prefill-sms: choose a number >= 0 or auto")
         _check(isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS, f"--gpus {self.gpus!r}: choose 1..{MAX_GPUS}")
         _check(self.gpus == 1 or self.gpu_gb is None,
                "--gpu-gb plans one GPU's memory; with --gpus give each GPU's --pool-gb (and --host-gb)")

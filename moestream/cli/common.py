@@ -59,12 +59,18 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
                    help=f"sequences decoded together, each with its own recurrent states and KV blocks (default "
                         f"{defaults.max_batch}; 1 with --spec mtp; with --spec lookup a sequence drafts while it runs "
                         "alone)")
-    p.add_argument("--prefill-sms", type=int, metavar="N",
+    p.add_argument("--prefill-sms", type=sm_count, metavar="N|auto",
                    help="SMs a prompt's prefill may take while other sequences decode (a CUDA green context), so "
-                        "that their steps keep the rest (default: every SM)")
+                        "that their steps keep the rest (default: "
+                        f"{'every SM' if not defaults.prefill_sms else defaults.prefill_sms}; auto: 36%% of them)")
     p.add_argument("--gpus", type=int, choices=range(1, MAX_GPUS + 1), metavar=f"1..{MAX_GPUS}",
                    help="GPUs of this host to spread the experts over, expert e of each layer on GPU e %% N, each with "
                         "--pool-gb and --host-gb of its own (default 1)")
+
+
+def sm_count(value: str) -> int | str:
+    """--prefill-sms: a number of SMs or auto (argparse names this function in its one-line error)."""
+    return value if value == "auto" else int(value)
 
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",

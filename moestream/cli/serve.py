@@ -16,8 +16,9 @@ import sys
 from moestream.cli.common import DEFAULTS, add_engine_args, open_llm
 from moestream.errors import MoestreamError
 
-# a server sees many prompts sharing prefixes (chat turns, system prompts): snapshots every 512 tokens, 1 GB of them
-SERVE_DEFAULTS = dataclasses.replace(DEFAULTS, prefill_chunk=512, prefix_cache_mb=1024)
+# a server sees many prompts sharing prefixes (chat turns, system prompts): snapshots every 512 tokens, 1 GB of them;
+# prompts that arrive while others decode keep to part of the GPU, so that the others' token gaps stay even
+SERVE_DEFAULTS = dataclasses.replace(DEFAULTS, prefill_chunk=512, prefix_cache_mb=1024, prefill_sms="auto")
 EPILOG = """endpoints: GET /v1/models, POST /v1/chat/completions (tools, logprobs, response_format, session_id),
 POST /v1/completions (logprobs, echo), POST /v1/messages (Anthropic's), POST/GET/DELETE /v1/sessions, POST /tokenize
 and /detokenize, GET /v1/stats (JSON), GET /metrics (Prometheus), GET /health. Sampling is greedy unless a request

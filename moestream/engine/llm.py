@@ -116,7 +116,7 @@ class LLM:
         self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk)
         # the graphs' memory is not in a --gpu-gb plan yet: under one, padded prompts run eagerly (the same bits)
         self.prefiller = Prefiller(self.model, self.provider, self.decoder, self.device, self.dtype,
-                                   graphs=cfg.decode_mode == "graph" and cfg.gpu_gb is None, aside_sms=cfg.prefill_sms)
+                                   cfg.decode_mode == "graph" and cfg.gpu_gb is None, cfg.prefill_sms)
         kv = self.decoder.kv
         self.kv_positions = kv.blocks * BLOCK_ROWS if kv is not None and kv.bounded else None  # None: it grows
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \

@@ -10,7 +10,7 @@ from tests.engine.test_batching import GREEDY, _arriving, _prompts, _quarter_poo
 
 pytestmark = pytest.mark.gpu
 
-SETTINGS = {"resident": {}, "resident, prompts on 16 SMs": dict(prefill_sms=16), "25% pool + host": "quarter",
+SETTINGS = {"resident": {}, "resident, prompts on some SMs": dict(prefill_sms="auto"), "25% pool + host": "quarter",
             "25% pool + disk": "quarter, no host", "handshake": dict(decode_mode="handshake")}
 
 
