@@ -90,8 +90,11 @@ def green_stream(device: torch.device, sms: int):
         raise ConfigError(f"--prefill-sms {sms}: this GPU has {count} SMs; choose fewer")
     if (contexts := _green_contexts()) is None:
         raise ConfigError("--prefill-sms needs green contexts: torch 2.11+ built with CUDA 12.4+")
-    green = contexts.create(num_sms=sms, device_id=device.index or 0)
-    return green, green.Stream()
+    try:
+        green = contexts.create(num_sms=sms, device_id=device.index or 0)
+        return green, green.Stream()
+    except RuntimeError as e:  # the driver's refusal (MIG, an old driver)
+        raise ConfigError(f"--prefill-sms {sms}: no green context here ({str(e).splitlines()[0]})") from None
 
 
 class Prefiller:
@@ -114,8 +117,12 @@ class Prefiller:
             low, high = torch.cuda.Stream.priority_range()
             self.side = torch.cuda.Stream(device, priority=low)
             self.front = torch.cuda.Stream(device, priority=high)
-            if sms := aside_sms(device, prefill_sms):
-                self.green, self.side = green_stream(device, sms)
+            try:
+                if sms := aside_sms(device, prefill_sms):
+                    self.green, self.side = green_stream(device, sms)
+            except ConfigError:
+                if prefill_sms != "auto":
+                    raise  # else every SM, as without green contexts
 
     def rows(self, prompt_tokens: int) -> int:
         """The positions a prompt's first forward writes (its KV blocks)."""
