@@ -144,12 +144,18 @@ class _Landing:
         return self.rows
 
 
-def test_a_prompt_launched_aside_joins_when_it_lands_and_the_others_step_meanwhile(tiny):
+def _aside_after_alone(tiny) -> tuple[LLM, list, list, _Aside]:
+    """An engine, four prompts, their tokens each alone, and then whole prompts landing 3 checks after launch."""
     llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    prompts = _prompts(llm, 4)
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    llm.prefiller = aside = _Aside(llm.prefiller, polls=3)
+    return llm, prompts, alone, aside
+
+
+def test_a_prompt_launched_aside_joins_when_it_lands_and_the_others_step_meanwhile(tiny):
+    llm, prompts, alone, aside = _aside_after_alone(tiny)
     try:
-        prompts = _prompts(llm, 4)
-        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
-        llm.prefiller = aside = _Aside(llm.prefiller, polls=3)
         requests = [llm._submit(prompts[0], GREEDY)]
         llm.step()  # the first prompt alone, into an idle engine
         requests += [llm._submit(p, GREEDY) for p in prompts[1:]]
@@ -169,11 +175,8 @@ def test_a_prompt_launched_aside_joins_when_it_lands_and_the_others_step_meanwhi
 
 
 def test_a_burst_into_an_idle_engine_is_prefilled_in_one_step_none_aside(tiny):
-    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    llm, prompts, alone, aside = _aside_after_alone(tiny)
     try:
-        prompts = _prompts(llm, 4)
-        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
-        llm.prefiller = aside = _Aside(llm.prefiller, polls=3)
         requests = [llm._submit(p, GREEDY) for p in prompts]
         llm.step()
         assert len(llm.scheduler.running) == 4 and not aside.landings
