@@ -32,6 +32,8 @@ def _decode(llm: LLM, prompts: list[list[int]], new: int) -> dict:
     and steps, and what the expert counters moved by over them (all precisions)."""
     requests = [llm._submit(p, SamplingParams(max_tokens=new, ignore_eos=True)) for p in prompts]
     while len(llm.scheduler.running) < len(prompts):
+        if not llm.scheduler.busy or any(r.finished for r in requests):
+            raise RuntimeError(f"{len(prompts)} sequences never decoded together: some ended first")
         llm.step()
     made, steps, before = sum(len(r.steps) for r in requests), sum(llm.scheduler.batch_rows.values()), \
         llm.provider.totals()
