@@ -414,7 +414,11 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        body = await asyncio.wrap_future(worker.call(metrics.text))  # the engine's counters, between two steps
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+        # the engine's counters are read between two steps: while it steps, a reading under a second old serves at
+        # once (the next one asked for); otherwise, or idle, the scrape waits for a fresh one
+        reading = metrics.engine.request()
+        if not (worker.active and metrics.engine.age() < 1.0):
+            await asyncio.wrap_future(reading)
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

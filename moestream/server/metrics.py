@@ -1,5 +1,6 @@
 """Prometheus metrics for one server: request counters and latencies kept here, plus the engine's expert
-counters, the prefix cache and the queue read at scrape time.
+counters, the prefix cache and the queue, read on the engine thread between two steps (`EngineCollector.read`)
+and served from that reading, so that a scrape never waits for the engine unless the reading is stale.
 
 Each server gets its own registry (several apps can live in one process, as in the tests). Expert
 metrics are labelled by precision and, for reads, by tier (gpu = pool hits, host, disk).
@@ -8,6 +9,8 @@ metrics are labelled by precision and, for reads, by tier (gpu = pool hits, host
 from __future__ import annotations
 
 import itertools
+import time
+from concurrent.futures import Future
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -37,22 +40,40 @@ class ServerMetrics:
                                      ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("moestream_queue_wait_seconds", "time a request waited for the engine",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(llm, worker))
+        self.engine = EngineCollector(llm, worker)
+        r.register(self.engine)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _EngineCollector:
-    """Reads the engine, prefix cache and queue on each scrape."""
+class EngineCollector:
+    """The engine, prefix cache and queue as of the last `read` (on the engine thread, between two steps)."""
 
     def __init__(self, llm, worker):
         self.llm, self.worker = llm, worker
+        self.reading: tuple[float, list] | None = None  # (when, the metric families)
+        self.pending: Future | None = None
 
     def describe(self):
         return []  # collected lazily; nothing to check at registration
 
     def collect(self):
+        return self.reading[1] if self.reading else []
+
+    def age(self) -> float:
+        return time.monotonic() - self.reading[0] if self.reading else float("inf")
+
+    def request(self) -> Future:
+        """A reading on the engine thread: the one asked for already, if it has not run yet."""
+        if self.pending is None or self.pending.done():
+            self.pending = self.worker.call(self.read)
+        return self.pending
+
+    def read(self) -> None:
+        self.reading = time.monotonic(), list(self._families())
+
+    def _families(self):
         totals = self.llm.provider.totals()  # not llm.stats(): every layer's counters copied, per scrape
         names = sorted({k for c in totals.values() for k, v in c.items() if isinstance(v, int | float)})
         for name in names:  # lookups, hits, misses, prefetches, read/wait seconds: whatever the engine counts

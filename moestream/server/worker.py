@@ -25,7 +25,7 @@ from moestream.errors import RequestError
 from moestream.sampling import SamplingParams
 
 log = logging.getLogger("moestream.server")
-IDLE_WAKE_S = 0.05  # how long an idle engine thread waits for a job before it runs the calls waiting for it
+IDLE_WAKE_S = 0.005  # how long an idle engine thread waits for a job before it runs the calls waiting for it
 
 
 class QueueFull(Exception):

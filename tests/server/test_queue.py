@@ -1,5 +1,6 @@
 """One engine thread behind a bounded queue: concurrent clients, disconnects that free the engine, 429s."""
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -107,3 +108,27 @@ def test_metrics_and_stats_answer_while_requests_decode(serve, store):
         assert 'moestream_engine_step_seconds_bucket{le="+Inf",prompt="no"}' in text
         for stream in streams:
             stream.leave()
+
+
+def test_a_scrape_while_the_engine_is_inside_a_step_answers_from_the_last_reading(serve, store):
+    """While requests decode, /metrics serves the engine's counters as read between two steps under a second ago,
+    without waiting for the step in flight (here one held until the scrape has answered)."""
+    server = serve(store)
+    step, inside, release = server.llm.step, threading.Event(), threading.Event()
+
+    def held_step():
+        inside.set()
+        release.wait(30)
+        step()
+
+    with server.http() as http:
+        stream = LongStream(http, first_chunks=1)
+        assert "moestream_sequences_decoding 1.0" in http.get("/metrics").text  # a fresh reading, between steps
+        server.llm.step = held_step
+        assert inside.wait(30)
+        try:
+            assert "moestream_sequences_decoding 1.0" in http.get("/metrics", timeout=10).text
+        finally:
+            release.set()
+            server.llm.step = step
+        stream.leave()
