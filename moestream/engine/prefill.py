@@ -75,8 +75,8 @@ def _green_contexts():
 
 
 def aside_sms(device: torch.device, asked: int | str) -> int:
-    """The SMs a replay aside takes: `asked`, or for "auto" 36% of the GPU's (48 of an H100's 132, which halved
-    the serving p99 at 16-32 clients for a few % of the aggregate), 0 (every SM) without green contexts."""
+    """The SMs a replay aside takes: `asked`, or for "auto" 36% of the GPU's (48 of an H100's 132, which cut the
+    serving p99 at 16-32 clients by a quarter for a few % of the aggregate), 0 (every SM) without green contexts."""
     if asked != "auto":
         return asked
     count = torch.cuda.get_device_properties(device).multi_processor_count
