@@ -65,43 +65,39 @@ class Landing:
         return self.graph.hidden[: self.rows].clone()
 
 
-def _green_contexts():
-    """torch's GreenContext where it makes streams (torch 2.11+, CUDA 12.4+), else None."""
+def green_stream(device: torch.device, asked: int | str):
+    """A green context of `asked` SMs and a stream in it; None for 0 (every SM). "auto" takes 36% of the GPU's (48
+    of an H100's 132, which cut the serving p99 at 16-32 clients by a quarter for a few % of the aggregate), or every
+    SM where green contexts are missing or refused; a number asked for is refused in one line."""
+    if not asked:
+        return None
+    count = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = round(0.36 * count) if asked == "auto" else asked
+
+    def refuse(why: str) -> None:
+        if asked != "auto":
+            raise ConfigError(f"--prefill-sms {sms}: {why}")
+
     try:
         from torch.cuda.green_contexts import SUPPORTED, GreenContext
     except ImportError:
-        return None
-    return GreenContext if SUPPORTED and hasattr(GreenContext, "Stream") else None
-
-
-def aside_sms(device: torch.device, asked: int | str) -> int:
-    """The SMs a replay aside takes: `asked`, or for "auto" 36% of the GPU's (48 of an H100's 132, which cut the
-    serving p99 at 16-32 clients by a quarter for a few % of the aggregate), 0 (every SM) without green contexts."""
-    if asked != "auto":
-        return asked
-    count = torch.cuda.get_device_properties(device).multi_processor_count
-    return round(0.36 * count) if _green_contexts() is not None else 0
-
-
-def green_stream(device: torch.device, sms: int):
-    """A green context of `sms` SMs and a stream in it."""
-    count = torch.cuda.get_device_properties(device).multi_processor_count
+        SUPPORTED = False
     if sms >= count:
-        raise ConfigError(f"--prefill-sms {sms}: this GPU has {count} SMs; choose fewer")
-    if (contexts := _green_contexts()) is None:
-        raise ConfigError("--prefill-sms needs green contexts: torch 2.11+ built with CUDA 12.4+")
+        return refuse(f"this GPU has {count} SMs; choose fewer")
+    if not (SUPPORTED and hasattr(GreenContext, "Stream")):
+        return refuse("needs green contexts: torch 2.11+ built with CUDA 12.4+")
     try:
-        green = contexts.create(num_sms=sms, device_id=device.index or 0)
+        green = GreenContext.create(num_sms=sms, device_id=device.index or 0)
         return green, green.Stream()
     except RuntimeError as e:  # the driver's refusal (MIG, an old driver)
-        raise ConfigError(f"--prefill-sms {sms}: no green context here ({str(e).splitlines()[0]})") from None
+        return refuse(f"no green context here ({str(e).splitlines()[0]})")
 
 
 class Prefiller:
     def __init__(self, model: CausalLM, provider: ExpertProvider, decoder, device: torch.device,
                  dtype: torch.dtype, graphs: bool, prefill_sms: int | str = 0):
         """`decoder` (engine/decode.py): its KV pool, which the graphs' own state keeps its rows in; `prefill_sms`:
-        the SMs a replay aside may take (0: every SM; "auto": `aside_sms`)."""
+        the SMs a replay aside may take (0: every SM; "auto": `green_stream`)."""
         self.model, self.provider, self.decoder, self.device, self.dtype = model, provider, decoder, device, dtype
         self.graphs_on = graphs and device.type == "cuda" and model.pads_prompts and decoder.kv is not None
         self.graphs: dict[int, _Graph] = {}
@@ -117,12 +113,8 @@ class Prefiller:
             low, high = torch.cuda.Stream.priority_range()
             self.side = torch.cuda.Stream(device, priority=low)
             self.front = torch.cuda.Stream(device, priority=high)
-            try:
-                if sms := aside_sms(device, prefill_sms):
-                    self.green, self.side = green_stream(device, sms)
-            except ConfigError:
-                if prefill_sms != "auto":
-                    raise  # else every SM, as without green contexts
+            if (green := green_stream(device, prefill_sms)) is not None:
+                self.green, self.side = green
 
     def rows(self, prompt_tokens: int) -> int:
         """The positions a prompt's first forward writes (its KV blocks)."""
