@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.common import h2d_gbs, machine
+from benchmarks.common import h2d_gbs, machine, tier_gb
 from moestream.engine.llm import LLM
 from moestream.sampling import SamplingParams
 
@@ -69,10 +69,8 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="the rest of the experts in the pinned host tier")
     p.add_argument("--streams", default="1,2,4,8,16")
     args = p.parse_args()
-    probe = LLM(args.store, warm=False, preload=False, max_batch=1)
-    total_gb = probe.provider.pool.stride * probe.provider.geometry.num_records / 1e9
-    probe.close()
-    llm = LLM(args.store, pool_gb=total_gb * args.pool_frac * 1.0001, host_gb=total_gb * 1.01 if args.host else 0)
+    pool_gb, host_gb = tier_gb(args.store, args.pool_frac, args.host)
+    llm = LLM(args.store, pool_gb=pool_gb, host_gb=host_gb)
     rows = [measure(llm, int(n)) for n in args.streams.split(",")]
     one = rows[0]["decode_tok_s"]
     pcie = h2d_gbs() * 1e9 if torch.cuda.is_available() else float("nan")

@@ -161,3 +161,14 @@ def limits(disk_path: str | None = None, records: tuple[str, int] | None = None)
         out["disk_record_gbs"] = disk_record_gbs(*records)
         out["disk_record_gbs_16_threads"] = disk_record_gbs(*records, threads=16)
     return out
+
+
+def tier_gb(store: str, pool_frac: float | None, host: bool) -> tuple[float | None, float]:
+    """GPU pool and host-tier sizes for a pool of `pool_frac` of the store's expert records (None: the engine's own
+    choice), the rest in the host tier with `host` (0 without)."""
+    from moestream.experts.store import open_store
+
+    opened = open_store(store)
+    total_gb = opened.manifest.geometry.num_records * opened.manifest.layouts[opened.default_precision].stride / 1e9
+    return (total_gb * pool_frac * 1.0001 if pool_frac is not None else None), (total_gb * 1.01 if host else 0.0)
+

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from benchmarks.common import machine
+from benchmarks.common import machine, tier_gb
 from moestream.engine.scheduler import STEP_BUCKETS
 from moestream.experts.store import open_store
 
@@ -155,11 +155,10 @@ def plot(runs: list[dict], path: str) -> None:
 
 def tier_options(store: str, pool_frac: float | None, host: bool) -> list[str]:
     """`moestream serve` options for a pool of `pool_frac` of the store's expert records (the rest in the host tier
-    with `host`), as benchmarks/batching.py sizes them."""
-    opened = open_store(store)
-    total_gb = opened.manifest.geometry.num_records * opened.manifest.layouts[opened.default_precision].stride / 1e9
-    pool = ["--pool-gb", f"{total_gb * pool_frac * 1.0001:.9g}"] if pool_frac is not None else []
-    return pool + (["--host-gb", f"{total_gb * 1.01:.9g}"] if host else [])
+    with `host`), sized as benchmarks/batching.py sizes them (common.tier_gb)."""
+    pool_gb, host_gb = tier_gb(store, pool_frac, host)
+    pool = ["--pool-gb", f"{pool_gb:.9g}"] if pool_gb is not None else []
+    return pool + (["--host-gb", f"{host_gb:.9g}"] if host else [])
 
 
 def main() -> None:
