@@ -1,7 +1,10 @@
 """Launching one decode token's Gated DeltaNet kernels (triton/deltanet.py): the conv step, then the recurrent
 step, which applies the gated norm itself when one program holds a head's whole state (Dk * Dv up to
 FUSED_TILE: two launches at the flagship's 128 x 128), else in a third launch. No host sync, states updated in
-place, outputs of fixed shapes: the same launches at every step (CUDA-graph safe)."""
+place, outputs of fixed shapes: the same launches at every step (CUDA-graph safe).
+
+A prompt's rows go through flash-linear-attention's chunked gated delta rule (fla-core: Triton, tensor cores)
+instead, the well-kept kernel transformers itself calls for Qwen3-Next when it is installed."""
 
 from __future__ import annotations
 
@@ -83,3 +86,28 @@ def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
     [1, Hv * Dv] in mixed's dtype."""
     conv = conv_step(mixed, conv_state, conv_weight)
     return recurrent_step(conv, b, a, A_log, dt_bias, state, z, norm_weight, eps, activation).view(1, -1)
+
+
+def deltanet_prefill(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     activation: str, conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """reference.deltanet_step over T > 1 tokens: the causal conv in torch, the delta rule in fla's chunked
+    kernels (value head h reads key head h // (Hv // Nk), as fla's grouped value heads do). States updated in
+    place. Returns [T, Hv * Dv] in mixed's dtype."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from moestream.kernels.reference import causal_conv1d
+
+    t = mixed.shape[0]
+    hv, dk, dv = state.shape
+    nk = (mixed.shape[-1] - hv * dv) // (2 * dk)
+    mixed, conv = causal_conv1d(mixed, conv_state, conv_weight)
+    conv_state.copy_(conv)
+    q, k, v = mixed.split([nk * dk, nk * dk, hv * dv], dim=-1)
+    beta = torch.sigmoid(b.float())
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    out, final = chunk_gated_delta_rule(q.reshape(1, t, nk, dk), k.reshape(1, t, nk, dk), v.reshape(1, t, hv, dv),
+                                        g[None], beta[None], initial_state=state[None], output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
+    state.copy_(final[0])
+    return gated_rms_norm(out[0].to(mixed.dtype), z.reshape(t, hv, dv), norm_weight, eps, activation).view(t, -1)

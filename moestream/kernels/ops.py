@@ -173,12 +173,12 @@ def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
                   A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, activation: str,
                   conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """A DeltaNet layer between its projections, states updated in place (reference.deltanet_step); one
-    token's is two or three Triton launches (conv, recurrence with the gated norm), prefill the reference."""
+    token's is two or three Triton launches (conv, recurrence with the gated norm), a prompt's fla's chunked kernels."""
     args = (mixed, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, activation, conv_state, state)
-    if mixed.shape[0] == 1 and use_triton(mixed.device):
+    if use_triton(mixed.device):
         from moestream.kernels import deltanet
 
-        return deltanet.deltanet_step(*args)
+        return (deltanet.deltanet_step if mixed.shape[0] == 1 else deltanet.deltanet_prefill)(*args)
     return reference.deltanet_step(*args)
 
 
