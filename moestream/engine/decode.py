@@ -190,7 +190,7 @@ class Decoder:
     def _in_pieces(self, key: tuple[int, bool], view: SequenceState, table, capacities: tuple):
         """The step's pieces replayed with the host's turn after each layer's routing; the first time (or over moved
         buffers) run eagerly the same way, then captured."""
-        routed, rows = self._inputs(*key).routed, key[0]
+        routed = self._inputs(*key).routed
         captured = self.pieces.get(key)
         if captured is None or captured[3] != capacities:
             hidden, logits = self._run(key, view, None, pieces=table)
@@ -198,10 +198,11 @@ class Decoder:
             self._capture_pieces(key, view, table, capacities)
             return hidden, logits
         pieces, hidden, logits, _ = captured
-        for graph, layer in pieces:
+        for graph, cut in pieces:
             graph.replay()
-            if layer is not None:
-                table.resolve(layer, routed[layer], rows)
+            if cut is not None:
+                layer, x = cut  # x: the layer's input, in the pieces' memory
+                table.resolve(layer, routed[layer], x)
         table.settle()
         self.graph_replays += 1
         return hidden, logits
@@ -209,9 +210,9 @@ class Decoder:
     def _capture_pieces(self, key: tuple[int, bool], view: SequenceState, table, capacities: tuple) -> None:
         graphs, ends, pool = [torch.cuda.CUDAGraph()], [], torch.cuda.graph_pool_handle()
 
-        def cut(layer: int) -> None:  # a piece ends after the layer's routing; the next (same memory pool) begins
+        def cut(layer: int, x: torch.Tensor) -> None:  # a piece ends after the layer's routing; the next begins
             graphs[-1].capture_end()
-            ends.append(layer)
+            ends.append((layer, x))  # held: the pieces' pool keeps its memory for the replays' host turns
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=pool, capture_error_mode="thread_local")
 
@@ -288,8 +289,8 @@ class Decoder:
         if rows > 1 and not batched:  # inside a captured graph too: the rows' positions follow the device-side start
             torch.add(self.position, inputs.offsets, out=inputs.positions)
         if pieces is not None and cut is None:
-            def cut(layer: int) -> None:
-                pieces.resolve(layer, inputs.routed[layer], rows)
+            def cut(layer: int, x: torch.Tensor) -> None:
+                pieces.resolve(layer, inputs.routed[layer], x)
         routed = inputs.routed if addresses is not None or pieces is not None else None
         experts = ExpertStep(addresses, routed, scratch=scratch, pieces=pieces, cut=cut)
         hidden = self._forward(inputs, state, StepContext(inputs.positions, static=True, experts=experts))

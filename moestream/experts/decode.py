@@ -33,8 +33,7 @@ class DecodePath:
             items.append((rid, slot))
         for i, (_, slot), future in zip(misses, items, res.fetch(layer, items, res.miss)):
             jobs[i] = (jobs[i][0], slot, future)
-        if self.lookahead:
-            self._prefetch_next(layer, x)
+        self.prefetch_next(layer, x)
         hits = [job for job in jobs if job[2] is None or job[2].done()]
         later = [job for job in jobs if job not in hits]
         used = []
@@ -46,9 +45,10 @@ class DecodePath:
                                [s for _, s, _ in group])
         res.done(used)
 
-    def _prefetch_next(self, layer: int, x: torch.Tensor) -> None:
+    def prefetch_next(self, layer: int, x: torch.Tensor) -> None:
+        """Layer L+1's router applied to layer L's input x [T, H] predicts L+1's experts: their fetches start now."""
         router = self.routers.get(layer + 1)
-        if router is None:
+        if router is None or not self.lookahead:
             return
         res, pool = self.res, self.res.pool
         predicted = torch.topk(x @ router.T, self.top_k, dim=-1).indices.reshape(-1).unique().tolist()

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from moestream.experts.decode import DecodePath
 from moestream.experts.grouping import AddressedExperts
-from moestream.experts.residency import Residency
 
 
 class PieceTable:
-    def __init__(self, residency: Residency):
-        self.res = res = residency
+    def __init__(self, decode: DecodePath):
+        """`decode`: the decode path, whose lookahead a piece's host turn makes too."""
+        self.decode, self.res = decode, decode.res
+        res = self.res
         shape, device = (res.geometry.num_layers, res.geometry.num_experts), res.device.device
         pinned = res.device.cuda
         with torch.inference_mode(False):  # outlives the step that makes it; later steps write it
@@ -32,14 +34,15 @@ class PieceTable:
         low_bit = (res.layouts[res.miss], self.bits[layer]) if self.bits is not None else None
         return AddressedExperts(self.addresses[layer], ids.reshape(-1), res.layouts[res.base], low_bit, None)
 
-    def resolve(self, layer: int, routed: torch.Tensor, rows: int) -> None:
+    def resolve(self, layer: int, routed: torch.Tensor, x: torch.Tensor) -> None:
         """The host's turn after layer `layer`'s routing (`routed` [rows * top_k] expert ids on the device, read
-        here: the pieces so far have run): its records into pool slots, counted as a decode step's lookups; the
-        compute stream waits for their copies."""
+        here: the pieces so far have run; x [rows, H] the layer's input): its records into pool slots, counted as a
+        decode step's lookups, the next layer's predicted ones fetched early; the compute stream waits for the
+        copies of this layer's."""
         res, pool, geometry = self.res, self.res.pool, self.res.geometry
         self.settle()
         res.flush()
-        ids = routed.tolist()
+        ids, rows = routed.tolist(), x.shape[0]
         if res.trace is not None:
             top_k = len(ids) // rows
             res.trace.step(layer, [ids[r * top_k:(r + 1) * top_k] for r in range(rows)], rows)
@@ -57,6 +60,7 @@ class PieceTable:
             items.append((rids[i], slots[i]))
         for i, future in zip(misses, res.fetch(layer, items, res.miss) if items else []):
             futures[i] = future
+        self.decode.prefetch_next(layer, x)
         res.wait(layer, slots, futures)
         index = torch.tensor(experts)
         base = pool.buffer.data_ptr()

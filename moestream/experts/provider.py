@@ -49,10 +49,10 @@ class Padding:
 class ExpertStep:
     """The expert subsystem's view of one forward step, made by the engine and passed down to every MoE layer.
     `addresses` [layers, experts]: read records in place (and write the routers' ids to `routed` [layers, rows *
-    top_k], counted after the step); `pieces`: read them where the host put them after each layer's routing,
-    `cut(layer)` its turn (a decode step captured in pieces; experts/pieces.py); `ahead`: the early ring fetches
-    one layer makes for the next; `padding`: a padded prompt's (only its own rows' entries are computed and
-    traced)."""
+    top_k], counted after the step); `pieces`: read them where the host put them in its turn after each layer's
+    routing, `cut(layer, x)` (x: the layer's input; a decode step captured in pieces, experts/pieces.py); `ahead`:
+    the early ring fetches one layer makes for the next; `padding`: a padded prompt's (only its own rows' entries
+    are computed and traced)."""
 
     addresses: torch.Tensor | None = None
     routed: torch.Tensor | None = None
@@ -60,7 +60,7 @@ class ExpertStep:
     scratch: bool = False
     padding: Padding | None = None
     pieces: PieceTable | None = None
-    cut: Callable[[int], None] | None = None
+    cut: Callable[[int, torch.Tensor], None] | None = None
 
 
 class ExpertProvider:
@@ -155,7 +155,7 @@ class ExpertProvider:
     def piece_table(self) -> PieceTable | None:
         """Where a decode step in pieces reads its records (CUDA, one rank), made once."""
         if self._pieces is None and self.residency.device.cuda and self.shard is None:
-            self._pieces = PieceTable(self.residency)
+            self._pieces = PieceTable(self.decode)
         return self._pieces
 
     def note_addressed(self, routed: torch.Tensor) -> None:

@@ -19,10 +19,10 @@ def test_a_layers_routed_records_land_in_pool_slots_whose_addresses_the_table_ho
     try:
         res = llm.provider.residency
         pool, layer = res.pool, 1
-        table = PieceTable(res)
+        table = PieceTable(llm.provider.decode)
         before = res.stats.at(layer, "q4").lookups
         for routed in ([3, 1, 3, 0], [1, 2, 1, 3]):  # two rows of top-2 each: a repeated expert is one lookup
-            table.resolve(layer, torch.tensor(routed), rows=2)
+            table.resolve(layer, torch.tensor(routed), torch.zeros(2, llm.config.hidden_size))
             table.settle()
             for e in set(routed):
                 rid = res.geometry.rid(layer, e)
