@@ -42,7 +42,9 @@ class PieceTable:
         res, pool, geometry = self.res, self.res.pool, self.res.geometry
         self.settle()
         res.flush()
-        ids, rows = routed.tolist(), x.shape[0]
+        predicted = self.decode.predict(layer, x)  # the lookahead's guess, read back with the routing: one wait
+        ids = (routed if predicted is None else torch.cat([routed, predicted])).tolist()
+        ids, guesses, rows = ids[:routed.numel()], sorted(set(ids[routed.numel():])), x.shape[0]
         if res.trace is not None:
             top_k = len(ids) // rows
             res.trace.step(layer, [ids[r * top_k:(r + 1) * top_k] for r in range(rows)], rows)
@@ -60,7 +62,7 @@ class PieceTable:
             items.append((rids[i], slots[i]))
         for i, future in zip(misses, res.fetch(layer, items, res.miss) if items else []):
             futures[i] = future
-        self.decode.prefetch_next(layer, x)
+        self.decode.prefetch(layer, guesses)
         res.wait(layer, slots, futures)
         index = torch.tensor(experts)
         base = pool.buffer.data_ptr()
