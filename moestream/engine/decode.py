@@ -172,7 +172,7 @@ class Decoder:
         own = self._own(states)
         addresses = self.provider.address_table() if self.mode != "handshake" else None
         captured = self.graphs.get(key)
-        table = self.provider.piece_table() if addresses is None and self.mode == "graph" and own else None
+        table = self.provider.piece_table(key[0]) if addresses is None and self.mode == "graph" and own else None
         if addresses is not None and own and captured is not None and captured[3] == capacities:
             graph, hidden, logits, _ = captured
             graph.replay()

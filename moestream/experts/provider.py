@@ -152,9 +152,12 @@ class ExpertProvider:
     def address_table(self) -> torch.Tensor | None:
         return self.addresses.table()
 
-    def piece_table(self) -> PieceTable | None:
-        """Where a decode step in pieces reads its records (CUDA, one rank), made once."""
-        if self._pieces is None and self.residency.device.cuda and self.shard is None:
+    def piece_table(self, rows: int) -> PieceTable | None:
+        """Where a decode step of `rows` rows in pieces reads its records (CUDA, one rank; None when a layer's
+        records might outnumber the pool's slots, which the ring then streams), made once."""
+        if not self.residency.device.cuda or self.shard is not None or rows * self.top_k > self.pool.num_slots:
+            return None
+        if self._pieces is None:
             self._pieces = PieceTable(self.decode)
         return self._pieces
 
