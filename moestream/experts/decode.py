@@ -59,6 +59,8 @@ class DecodePath:
 
     def prefetch(self, layer: int, predicted: list[int]) -> None:
         """Start fetching layer L+1's `predicted` experts (distinct, in order) into free pool slots."""
+        if not predicted:  # the last layer, or no lookahead
+            return
         res, pool = self.res, self.res.pool
         c = res.stats.at(layer + 1, res.base)
         for e in predicted if self.keep is None else [e for e in predicted if self.keep[e]]:

@@ -32,5 +32,8 @@ def test_a_layers_routed_records_land_in_pool_slots_whose_addresses_the_table_ho
                     f.seek(rid * STRIDE)
                     assert bytes(pool.buffer[slot, :STRIDE].tolist()) == f.read(STRIDE)
         assert res.stats.at(layer, "q4").lookups - before == 3 + 3
+        for last in range(res.geometry.num_layers):  # every layer's turn, the last one's (nothing after it) too
+            table.resolve(last, torch.tensor([0, 1]), torch.zeros(1, llm.config.hidden_size))
+            table.settle()
     finally:
         llm.close()
