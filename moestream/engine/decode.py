@@ -4,13 +4,15 @@ On CUDA a step has static shapes: attention over a paged cache whose row map cov
 by a device-side position, recurrent states updated in place, experts one tile per routing entry, host work it needs
 (a PLE table's rows on disk) staged before it. When every expert record is addressable without a host decision (all
 in the GPU pool, or the rest read in place from the pinned host tier) the step is a CUDA graph of that forward,
-captured once (at load) over the decoder's own sequence state, which every new sequence reuses; otherwise the step
-runs eagerly, routing each layer through the host. Both give the same bits, so the output does not depend on what
-was resident. A verify step (speculative decoding) is the same static step over k+1 rows, one graph per row count,
-whose rows have the bits of single steps; the caller keeps a prefix of them (`SequenceState.accept`). A batched step
-is the same static step over one row of each of several sequences (`step_batch`), each row on its own sequence's
-state; the decoder keeps one state per batch slot, and a batch of the first n slots replays its own graph. On the
-CPU a step is the plain eager forward, or the static one where verify or batched steps are wanted.
+captured once (at load) over the decoder's own sequence state, which every new sequence reuses; otherwise (records
+on disk) the step is captured in pieces, one graph from each MoE layer's experts to the next one's routing, with the
+host's decision between them (experts/pieces.py); in `eager` and `handshake` modes it runs eagerly, routing each
+layer through the host. All give the same bits, so the output does not depend on what was resident. A verify step
+(speculative decoding) is the same static step over k+1 rows, one graph per row count, whose rows have the bits of
+single steps; the caller keeps a prefix of them (`SequenceState.accept`). A batched step is the same static step
+over one row of each of several sequences (`step_batch`), each row on its own sequence's state; the decoder keeps
+one state per batch slot, and a batch of the first n slots replays its own graph. On the CPU a step is the plain
+eager forward, or the static one where verify or batched steps are wanted.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Decoder:
         self.inputs: dict[tuple[int, bool], StepInputs] = {}
         # (rows, batched) -> its graph, its output buffers and the capacities of the states it was captured over
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]] = {}
+        self.pieces: dict[tuple[int, bool], tuple[list, torch.Tensor, torch.Tensor, tuple]] = {}  # the same, in pieces
         self.graph_replays = 0
         self.slots: list[SequenceState] = []  # the static steps' own states, which the graphs read and write
         self.views: dict[int, SequenceState] = {}  # rows -> the batched view of the first slots' states
@@ -82,7 +85,7 @@ class Decoder:
         if self.slots[slot].capacity != self.capacity:
             self.slots[slot].release()
             self.slots[slot] = self._static_state()
-            self.graphs, self.views = {}, {}  # they were captured over the old buffers
+            self.graphs, self.pieces, self.views = {}, {}, {}  # they were captured over the old buffers
         self.slots[slot].reset()
         return self.slots[slot]
 
@@ -169,10 +172,13 @@ class Decoder:
         own = self._own(states)
         addresses = self.provider.address_table() if self.mode != "handshake" else None
         captured = self.graphs.get(key)
+        table = self.provider.piece_table(key[0]) if addresses is None and self.mode == "graph" and own else None
         if addresses is not None and own and captured is not None and captured[3] == capacities:
             graph, hidden, logits, _ = captured
             graph.replay()
             self.graph_replays += 1
+        elif table is not None:
+            hidden, logits = self._in_pieces(key, view, table, capacities)
         else:  # a graph over moved buffers (a state grew, or a prompt past max_context did) is captured anew
             hidden, logits = self._run(key, view, addresses)
             if addresses is not None and self.mode == "graph" and own:
@@ -180,6 +186,45 @@ class Decoder:
         if addresses is not None:  # the provider saw none of this step's lookups
             self.provider.note_addressed(self._inputs(*key).routed)
         return hidden.clone(), logits.clone()  # a replay overwrites the graph's output buffers
+
+    def _in_pieces(self, key: tuple[int, bool], view: SequenceState, table, capacities: tuple):
+        """The step's pieces replayed with the host's turn after each layer's routing; the first time (or over moved
+        buffers) run eagerly the same way, then captured."""
+        routed = self._inputs(*key).routed
+        captured = self.pieces.get(key)
+        if captured is None or captured[3] != capacities:
+            hidden, logits = self._run(key, view, None, pieces=table)
+            table.settle()
+            self._capture_pieces(key, view, table, capacities)
+            return hidden, logits
+        pieces, hidden, logits, _ = captured
+        for graph, cut in pieces:
+            graph.replay()
+            if cut is not None:
+                layer, x = cut  # x: the layer's input, in the pieces' memory
+                table.resolve(layer, routed[layer], x)
+        table.settle()
+        self.graph_replays += 1
+        return hidden, logits
+
+    def _capture_pieces(self, key: tuple[int, bool], view: SequenceState, table, capacities: tuple) -> None:
+        graphs, ends, pool = [torch.cuda.CUDAGraph()], [], torch.cuda.graph_pool_handle()
+
+        def cut(layer: int, x: torch.Tensor) -> None:  # a piece ends after the layer's routing; the next begins
+            graphs[-1].capture_end()
+            ends.append((layer, x))  # held: the pieces' pool keeps its memory for the replays' host turns
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=pool, capture_error_mode="thread_local")
+
+        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)  # a capture runs off the default stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            graphs[0].capture_begin(pool=pool, capture_error_mode="thread_local")
+            hidden, logits = self._run(key, view, None, pieces=table, cut=cut)
+            graphs[-1].capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.pieces[key] = list(zip(graphs, [*ends, None])), hidden, logits, capacities
 
     def warm(self) -> None:
         """Run the static steps of every row count and batch size once (kernels compiled) and capture their graphs
@@ -236,12 +281,18 @@ class Decoder:
         return self.model.new_state(self.dtype, self.device)
 
     def _run(self, key: tuple[int, bool], state: SequenceState, addresses: torch.Tensor | None,
-             scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             scratch: bool = False, pieces=None, cut=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static step run (or captured); with `pieces` (experts/pieces.py), the host's turn after each layer's
+        routing is `cut`, by default resolving the layer's records at once."""
         rows, batched = key
         inputs = self._inputs(rows, batched)
         if rows > 1 and not batched:  # inside a captured graph too: the rows' positions follow the device-side start
             torch.add(self.position, inputs.offsets, out=inputs.positions)
-        experts = ExpertStep(addresses, inputs.routed if addresses is not None else None, scratch=scratch)
+        if pieces is not None and cut is None:
+            def cut(layer: int, x: torch.Tensor) -> None:
+                pieces.resolve(layer, inputs.routed[layer], x)
+        routed = inputs.routed if addresses is not None or pieces is not None else None
+        experts = ExpertStep(addresses, routed, scratch=scratch, pieces=pieces, cut=cut)
         hidden = self._forward(inputs, state, StepContext(inputs.positions, static=True, experts=experts))
         return hidden, self.model.logits(hidden)
 

@@ -33,8 +33,7 @@ class DecodePath:
             items.append((rid, slot))
         for i, (_, slot), future in zip(misses, items, res.fetch(layer, items, res.miss)):
             jobs[i] = (jobs[i][0], slot, future)
-        if self.lookahead:
-            self._prefetch_next(layer, x)
+        self.prefetch_next(layer, x)
         hits = [job for job in jobs if job[2] is None or job[2].done()]
         later = [job for job in jobs if job not in hits]
         used = []
@@ -46,12 +45,23 @@ class DecodePath:
                                [s for _, s, _ in group])
         res.done(used)
 
-    def _prefetch_next(self, layer: int, x: torch.Tensor) -> None:
+    def prefetch_next(self, layer: int, x: torch.Tensor) -> None:
+        """Layer L+1's router applied to layer L's input x [T, H] predicts L+1's experts: their fetches start now."""
+        if (predicted := self.predict(layer, x)) is not None:
+            self.prefetch(layer, predicted.unique().tolist())
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Layer L+1's experts as its router picks them for layer L's input x [T, H] (on the device), or None."""
         router = self.routers.get(layer + 1)
-        if router is None:
+        if router is None or not self.lookahead:
+            return None
+        return torch.topk(x @ router.T, self.top_k, dim=-1).indices.reshape(-1)
+
+    def prefetch(self, layer: int, predicted: list[int]) -> None:
+        """Start fetching layer L+1's `predicted` experts (distinct, in order) into free pool slots."""
+        if not predicted:  # the last layer, or no lookahead
             return
         res, pool = self.res, self.res.pool
-        predicted = torch.topk(x @ router.T, self.top_k, dim=-1).indices.reshape(-1).unique().tolist()
         c = res.stats.at(layer + 1, res.base)
         for e in predicted if self.keep is None else [e for e in predicted if self.keep[e]]:
             rid = res.geometry.rid(layer + 1, e)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ from moestream.config import ExpertConfig
 from moestream.experts.addresses import AddressTable
 from moestream.experts.decode import DecodePath
 from moestream.experts.grouping import AddressedExperts, ExpertBatch, PlacedExperts, batch_of, group_by_expert
+from moestream.experts.pieces import PieceTable
 from moestream.experts.residency import Residency
 from moestream.experts.ring import RingAhead, RingPath
 from moestream.experts.store import Store
@@ -48,14 +49,18 @@ class Padding:
 class ExpertStep:
     """The expert subsystem's view of one forward step, made by the engine and passed down to every MoE layer.
     `addresses` [layers, experts]: read records in place (and write the routers' ids to `routed` [layers, rows *
-    top_k], counted after the step); `ahead`: the early ring fetches one layer makes for the next; `padding`: a
-    padded prompt's (only its own rows' entries are computed and traced)."""
+    top_k], counted after the step); `pieces`: read them where the host put them in its turn after each layer's
+    routing, `cut(layer, x)` (x: the layer's input; a decode step captured in pieces, experts/pieces.py); `ahead`:
+    the early ring fetches one layer makes for the next; `padding`: a padded prompt's (only its own rows' entries
+    are computed and traced)."""
 
     addresses: torch.Tensor | None = None
     routed: torch.Tensor | None = None
     ahead: RingAhead | None = None
     scratch: bool = False
     padding: Padding | None = None
+    pieces: PieceTable | None = None
+    cut: Callable[[int, torch.Tensor], None] | None = None
 
 
 class ExpertProvider:
@@ -71,7 +76,7 @@ class ExpertProvider:
         self.decode = DecodePath(res, top_k, cfg.lookahead, keep)
         self.ring = RingPath(res, cfg.ring_group, cfg.ring_lookahead, keep)
         self.addresses = AddressTable(res, keep)
-        self._scratch, self._held = None, None
+        self._scratch, self._held, self._pieces = None, None, None
 
     def attach(self, routers: dict[int, torch.Tensor]) -> None:
         """The routers by layer slot, for the decode path's lookahead."""
@@ -81,6 +86,9 @@ class ExpertProvider:
         """The parts that compute layer `layer`'s routing entries `ids` [T, top_k] for activations x [T, H]."""
         if step.scratch:
             yield from self._scratch_parts(ids)
+            return
+        if step.pieces is not None:
+            yield step.pieces.part(layer, ids)
             return
         if step.addresses is not None:
             staging = self.addresses.staging() if ids.shape[0] > 1 else None  # one row's ids are distinct
@@ -143,6 +151,15 @@ class ExpertProvider:
 
     def address_table(self) -> torch.Tensor | None:
         return self.addresses.table()
+
+    def piece_table(self, rows: int) -> PieceTable | None:
+        """Where a decode step of `rows` rows in pieces reads its records (CUDA, one rank; None when a layer's
+        records might outnumber the pool's slots, which the ring then streams), made once."""
+        if not self.residency.device.cuda or self.shard is not None or rows * self.top_k > self.pool.num_slots:
+            return None
+        if self._pieces is None:
+            self._pieces = PieceTable(self.decode)
+        return self._pieces
 
     def note_addressed(self, routed: torch.Tensor) -> None:
         self.residency.note_addressed(routed)

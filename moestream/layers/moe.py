@@ -37,6 +37,8 @@ class SparseMoE(nn.Module):
         logits, *shared = self.from_input.parts(x)
         weights, ids = ops.route(logits, self.top_k, self.normalise, x.dtype,
                                  routed[self.layer_slot] if routed is not None else None)
+        if ctx.experts.cut is not None:  # a step in pieces: the host's turn between routing and experts
+            ctx.experts.cut(self.layer_slot, x)
         # a padded prompt's extra rows are computed by no expert: zeros, so that every row stays finite
         y = x.new_empty(t * self.top_k, h) if ctx.experts.padding is None else x.new_zeros(t * self.top_k, h)
         for part in self.provider.parts(self.layer_slot, ids, x, ctx.experts):

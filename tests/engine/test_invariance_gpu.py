@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 SETTINGS = [
     dict(pool_gb=None),  # whole model resident: decode is one CUDA graph
-    dict(pool_gb="min"),  # handshake per layer
+    dict(pool_gb="min"),  # records on disk: the step in pieces, the host between them
     dict(pool_gb="min", ring_slots=8, ring_group=2),
     dict(pool_gb="half", lookahead=False),
     dict(pool_gb="half", host_gb=0.01),  # host tier holds every record: graphs read misses in place
@@ -49,6 +49,19 @@ def test_gpu_requests_in_a_row_replay_the_graph_captured_at_load(tiny):
         outs = [llm.generate([prompt_of(llm, PROMPT)], SamplingParams(max_tokens=STEPS)) for _ in range(2)]
         assert llm.decoder.graph is graph and llm.decoder.graph_replays >= 2 * (STEPS - 1)
         assert outs[0][0].token_ids == outs[1][0].token_ids
+    finally:
+        llm.close()
+
+
+def test_gpu_a_step_with_records_on_disk_is_captured_in_pieces(tiny):
+    """Half the records in the pool, the rest on disk: each decode step replays the pieces captured at its first
+    step (one graph from each MoE layer's experts to the next one's routing), the host's turn between them."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cuda", dtype="bfloat16", pool_gb=16 * _record_gb(1) * 1.0001)
+    try:
+        greedy_trace(llm, prompt_of(llm, PROMPT), STEPS)
+        pieces = llm.decoder.pieces[1, False][0]
+        assert llm.decoder.graph is None and len(pieces) == len(llm.provider.stats.layers) + 1
+        assert llm.decoder.graph_replays >= STEPS - 2
     finally:
         llm.close()
 
