@@ -97,17 +97,23 @@ def test_gated_rms_norm_matches_reference(poisoned, rows, dim, activation):
     torch.testing.assert_close(got, want, **TOL)
 
 
+def layer(nk: int, hv: int, dk: int, dv: int, seed: int):
+    """A layer's generator, channels, parameters and zero states (conv [3, channels], recurrent [hv, dk, dv])."""
+    gen = torch.Generator().manual_seed(seed)
+    channels = 2 * nk * dk + hv * dv
+    a_log, dt_bias, weight = params(hv, dv, gen)
+    conv_weight = randn(channels, 1, 4, gen=gen, scale=0.5)
+    conv_state, state = torch.zeros(3, channels, dtype=DTYPE, device=DEVICE), torch.zeros(hv, dk, dv, device=DEVICE)
+    return gen, channels, a_log, dt_bias, weight, conv_weight, conv_state, state
+
+
 @pytest.mark.parametrize("nk,hv,dk,dv", [HEADS[1], HEADS[2], HEADS[5], HEADS[6]])
 def test_deltanet_step_chains_like_reference(poisoned, nk, hv, dk, dv):
     """Several tokens in a row through the dispatcher's Triton step, both states advanced in place."""
     pytest.importorskip("triton")
     from moestream.kernels import deltanet
 
-    gen = torch.Generator().manual_seed(3)
-    channels = 2 * nk * dk + hv * dv
-    a_log, dt_bias, weight = params(hv, dv, gen)
-    conv_weight = randn(channels, 1, 4, gen=gen, scale=0.5)
-    conv_state, state = torch.zeros(3, channels, dtype=DTYPE, device=DEVICE), torch.zeros(hv, dk, dv, device=DEVICE)
+    gen, channels, a_log, dt_bias, weight, conv_weight, conv_state, state = layer(nk, hv, dk, dv, seed=3)
     want_conv, want_state = conv_state.clone(), state.clone()
     buffers = conv_state.data_ptr(), state.data_ptr()
     for _ in range(STEPS + 2):
@@ -132,11 +138,7 @@ def test_deltanet_prefill_chains_like_reference(nk, hv, dk, dv, tokens):
     pytest.importorskip("fla")
     from moestream.kernels import deltanet
 
-    gen = torch.Generator().manual_seed(5)
-    channels = 2 * nk * dk + hv * dv
-    a_log, dt_bias, weight = params(hv, dv, gen)
-    conv_weight = randn(channels, 1, 4, gen=gen, scale=0.5)
-    conv_state, state = torch.zeros(3, channels, dtype=DTYPE, device=DEVICE), torch.zeros(hv, dk, dv, device=DEVICE)
+    gen, channels, a_log, dt_bias, weight, conv_weight, conv_state, state = layer(nk, hv, dk, dv, seed=5)
     want_conv, want_state = conv_state.clone(), state.clone()
     for _ in range(2):
         mixed, z = randn(tokens, channels, gen=gen), randn(tokens, hv, dv, gen=gen)
