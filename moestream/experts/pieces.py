@@ -26,7 +26,10 @@ class PieceTable:
             if res.miss != res.base:  # mixed mode: each record's precision, as AddressTable.record_bits
                 self.bits = torch.zeros(shape, dtype=torch.int32, device=device)
                 self.staged_bits = torch.zeros(shape, dtype=torch.int32, pin_memory=pinned)
+        self.rows = self.staged.numpy()  # the staged rows as numpy: a fancy assignment costs ~1 us, torch's ~10
+        self.bit_rows = self.staged_bits.numpy() if self.bits is not None else None
         self.used: list[int] = []  # the last resolved layer's slots, until the piece that reads them is enqueued
+        self.guesses: tuple[int, list[int]] | None = None  # a prefetch left until the next piece is enqueued
 
     def part(self, layer: int, ids: torch.Tensor) -> AddressedExperts:
         """Layer `layer`'s routing entries `ids` [T, top_k], each reading its record where `resolve` put it."""
@@ -37,8 +40,9 @@ class PieceTable:
     def resolve(self, layer: int, routed: torch.Tensor, x: torch.Tensor) -> None:
         """The host's turn after layer `layer`'s routing (`routed` [rows * top_k] expert ids on the device, read
         here: the pieces so far have run; x [rows, H] the layer's input): its records into pool slots, counted as a
-        decode step's lookups, the next layer's predicted ones fetched early; the compute stream waits for the
-        copies of this layer's."""
+        decode step's lookups; the compute stream waits for the copies of this layer's. The GPU idles meanwhile,
+        so the next layer's predicted records are fetched early here only if this layer's misses are waited for
+        anyway, else once the next piece is enqueued (`settle`)."""
         res, pool, geometry = self.res, self.res.pool, self.res.geometry
         self.settle()
         res.flush()
@@ -62,20 +66,25 @@ class PieceTable:
             items.append((rids[i], slots[i]))
         for i, future in zip(misses, res.fetch(layer, items, res.miss) if items else []):
             futures[i] = future
-        self.decode.prefetch(layer, guesses)
+        if items:
+            self.decode.prefetch(layer, guesses)
+        else:
+            self.guesses = layer, guesses
         res.wait(layer, slots, futures)
-        index = torch.tensor(experts)
         base = pool.buffer.data_ptr()
-        self.staged[layer, index] = torch.tensor([base + s * pool.stride for s in slots])
+        self.rows[layer, experts] = [base + s * pool.stride for s in slots]
         self.addresses[layer].copy_(self.staged[layer], non_blocking=True)
         if self.bits is not None:
-            self.staged_bits[layer, index] = torch.tensor([res.layouts[pool.precision_of[s]].bits for s in slots],
-                                                          dtype=torch.int32)
+            self.bit_rows[layer, experts] = [res.layouts[pool.precision_of[s]].bits for s in slots]
             self.bits[layer].copy_(self.staged_bits[layer], non_blocking=True)
         self.used = slots
 
     def settle(self) -> None:
-        """The piece that reads the last resolved slots is enqueued: a later copy into them waits for it."""
+        """The piece that reads the last resolved slots is enqueued: a later copy into them waits for it, and the
+        prefetch left for this moment starts."""
         if self.used:
             self.res.done(self.used)
             self.used = []
+        if self.guesses is not None:
+            self.decode.prefetch(*self.guesses)
+            self.guesses = None

@@ -37,3 +37,23 @@ def test_a_layers_routed_records_land_in_pool_slots_whose_addresses_the_table_ho
             table.settle()
     finally:
         llm.close()
+
+
+def test_with_no_miss_to_wait_for_the_next_layers_guesses_are_fetched_once_the_next_piece_is_enqueued(tiny):
+    """The host's turn keeps the GPU waiting: a prefetch that nothing waits for starts in `settle`, after the
+    next piece's replay, unless this layer's misses are being waited for anyway."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu")
+    try:
+        res = llm.provider.residency
+        table, geometry = PieceTable(llm.provider.decode), res.geometry
+        x = torch.randn(1, llm.config.hidden_size)
+        table.resolve(0, torch.tensor([0, 1]), x)
+        table.settle()  # layer 0's records were misses: its guesses were fetched with them
+        table.resolve(0, torch.tensor([0, 1]), x)
+        layer, guesses = table.guesses  # hits only: left for settle
+        assert layer == 0 and guesses
+        table.settle()
+        assert table.guesses is None
+        assert all(res.pool.slot_of.get(geometry.rid(1, e)) is not None for e in guesses)
+    finally:
+        llm.close()
