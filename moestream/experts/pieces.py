@@ -26,8 +26,8 @@ class PieceTable:
             if res.miss != res.base:  # mixed mode: each record's precision, as AddressTable.record_bits
                 self.bits = torch.zeros(shape, dtype=torch.int32, device=device)
                 self.staged_bits = torch.zeros(shape, dtype=torch.int32, pin_memory=pinned)
-        self.rows = self.staged.numpy()  # the staged rows as numpy: a fancy assignment costs ~1 us, torch's ~10
-        self.bit_rows = self.staged_bits.numpy() if self.bits is not None else None
+        self.staged_view = self.staged.numpy()  # the staged rows as numpy: a fancy assignment costs ~1 us, torch's ~10
+        self.staged_bits_view = self.staged_bits.numpy() if self.bits is not None else None
         self.used: list[int] = []  # the last resolved layer's slots, until the piece that reads them is enqueued
         self.guesses: tuple[int, list[int]] | None = None  # a prefetch left until the next piece is enqueued
 
@@ -72,10 +72,10 @@ class PieceTable:
             self.guesses = layer, guesses
         res.wait(layer, slots, futures)
         base = pool.buffer.data_ptr()
-        self.rows[layer, experts] = [base + s * pool.stride for s in slots]
+        self.staged_view[layer, experts] = [base + s * pool.stride for s in slots]
         self.addresses[layer].copy_(self.staged[layer], non_blocking=True)
         if self.bits is not None:
-            self.bit_rows[layer, experts] = [res.layouts[pool.precision_of[s]].bits for s in slots]
+            self.staged_bits_view[layer, experts] = [res.layouts[pool.precision_of[s]].bits for s in slots]
             self.bits[layer].copy_(self.staged_bits[layer], non_blocking=True)
         self.used = slots
 
