@@ -57,3 +57,20 @@ def test_with_no_miss_to_wait_for_the_next_layers_guesses_are_fetched_once_the_n
         assert all(res.pool.slot_of.get(geometry.rid(1, e)) is not None for e in guesses)
     finally:
         llm.close()
+
+
+def test_in_mixed_mode_a_miss_is_fetched_low_bit_and_its_precision_written_beside_its_address(tiny):
+    store = tiny.store("qwen3_moe", experts=("q4", "q2"))
+    llm = LLM(store, device="cpu", pool_gb=6 * STRIDE / 1e9, miss_experts=2)
+    try:
+        res, layer = llm.provider.residency, 1
+        table = PieceTable(llm.provider.decode)
+        table.resolve(layer, torch.tensor([3, 1]), torch.zeros(1, llm.config.hidden_size))
+        table.settle()
+        for e in (3, 1):
+            slot = res.pool.slot_of[res.geometry.rid(layer, e)]
+            assert res.pool.precision_of[slot] == "q2"
+            assert table.bits[layer, e].item() == 2
+            assert table.addresses[layer, e].item() == res.pool.buffer.data_ptr() + slot * res.pool.stride
+    finally:
+        llm.close()
