@@ -171,4 +171,3 @@ def tier_gb(store: str, pool_frac: float | None, host: bool) -> tuple[float | No
     opened = open_store(store)
     total_gb = opened.manifest.geometry.num_records * opened.manifest.layouts[opened.default_precision].stride / 1e9
     return (total_gb * pool_frac * 1.0001 if pool_frac is not None else None), (total_gb * 1.01 if host else 0.0)
-

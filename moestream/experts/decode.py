@@ -19,20 +19,29 @@ class DecodePath:
         self.res, self.top_k, self.lookahead, self.keep = residency, top_k, lookahead, keep
         self.routers: dict[int, torch.Tensor] = {}  # layer slot -> router weight, for lookahead
 
-    def batches(self, layer: int, g: Grouping, x: torch.Tensor) -> Iterator[ExpertBatch]:
+    def claim(self, layer: int, experts: list[int]) -> tuple[list[int], list, bool]:
+        """Layer `layer`'s distinct `experts`, counted as a decode step's lookups, each in a pool slot pinned for
+        this step: a hit where it is, a miss in a slot the pool frees for it, fetched at the miss precision. Returns
+        the slots, the fetches to wait for (None: none) and whether any record missed."""
         res, pool, geometry = self.res, self.res.pool, self.res.geometry
         res.stats.at(layer, res.base).decode_steps += 1
-        slots = res.lookups(layer, [geometry.rid(layer, e) for e in g.experts])
-        jobs = [(j, slot, pool.pending[slot] if slot is not None else None) for j, slot in enumerate(slots)]
-        misses = [i for i, (_, slot, _) in enumerate(jobs) if slot is None]
+        rids = [geometry.rid(layer, e) for e in experts]
+        slots = res.lookups(layer, rids)
+        futures = [pool.pending[s] if s is not None else None for s in slots]
+        misses = [i for i, s in enumerate(slots) if s is None]
         items = []
-        for i in misses:  # demand misses: into distinct slots, pinned for this step
-            rid = geometry.rid(layer, g.experts[jobs[i][0]])
-            slot = pool.allocate(rid)
-            pool.pin(slot)
-            items.append((rid, slot))
-        for i, (_, slot), future in zip(misses, items, res.fetch(layer, items, res.miss)):
-            jobs[i] = (jobs[i][0], slot, future)
+        for i in misses:  # into distinct slots, pinned for this step (the pool's eviction skips them)
+            slots[i] = pool.allocate(rids[i])
+            pool.pin(slots[i])
+            items.append((rids[i], slots[i]))
+        for i, future in zip(misses, res.fetch(layer, items, res.miss) if items else []):
+            futures[i] = future
+        return slots, futures, bool(items)
+
+    def batches(self, layer: int, g: Grouping, x: torch.Tensor) -> Iterator[ExpertBatch]:
+        res, pool = self.res, self.res.pool
+        slots, futures, _ = self.claim(layer, g.experts)
+        jobs = list(zip(range(len(slots)), slots, futures))
         self.prefetch_next(layer, x)
         hits = [job for job in jobs if job[2] is None or job[2].done()]
         later = [job for job in jobs if job not in hits]

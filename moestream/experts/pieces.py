@@ -43,7 +43,7 @@ class PieceTable:
         decode step's lookups; the compute stream waits for the copies of this layer's. The GPU idles meanwhile,
         so the next layer's predicted records are fetched early here only if this layer's misses are waited for
         anyway, else once the next piece is enqueued (`settle`)."""
-        res, pool, geometry = self.res, self.res.pool, self.res.geometry
+        res, pool = self.res, self.res.pool
         self.settle()
         res.flush()
         predicted = self.decode.predict(layer, x)  # the lookahead's guess, read back with the routing: one wait
@@ -54,19 +54,8 @@ class PieceTable:
             res.trace.step(layer, [ids[r * top_k:(r + 1) * top_k] for r in range(rows)], rows)
         experts = sorted(set(ids))
         pool.new_step()
-        res.stats.at(layer, res.base).decode_steps += 1
-        rids = [geometry.rid(layer, e) for e in experts]
-        slots = res.lookups(layer, rids)
-        futures = [pool.pending[s] if s is not None else None for s in slots]
-        misses = [i for i, s in enumerate(slots) if s is None]
-        items = []
-        for i in misses:  # into distinct slots, pinned for this step (the pool's eviction skips them)
-            slots[i] = pool.allocate(rids[i])
-            pool.pin(slots[i])
-            items.append((rids[i], slots[i]))
-        for i, future in zip(misses, res.fetch(layer, items, res.miss) if items else []):
-            futures[i] = future
-        if items:
+        slots, futures, missed = self.decode.claim(layer, experts)
+        if missed:
             self.decode.prefetch(layer, guesses)
         else:
             self.guesses = layer, guesses
