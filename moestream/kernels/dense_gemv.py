@@ -1,5 +1,5 @@
 """Launching the dense decode kernel: a decode step's projections for up to DECODE_MAX_ROWS token rows, one launch
-each (two where K is split), the weights read once for every row (cuBLAS ran the [q|k|v] projection as a split-K
+each, the weights read once for every row (cuBLAS ran the [q|k|v] projection as a split-K
 GEMM plus a reduction kernel, at about half the HBM rate, and its tiles change with the number of rows; a GEMV
 with an accumulator per row read the weights once per 4 rows: 16 rows cost 4-8x one)."""
 
@@ -9,7 +9,16 @@ import torch
 
 BK = 128  # K chunk: a [16, BK] x [BK, BN] tensor-core product
 MIN_PROGRAMS = 528  # four blocks an SM of the H200's 132
-SUM_BLOCK = 1024
+_ARRIVALS: dict[int, torch.Tensor] = {}
+
+
+def arrivals(weight: torch.Tensor) -> torch.Tensor:
+    """The counts a split launch over `weight` keeps, zero between launches: one set a weight, made at its first
+    launch (the eager step a graph's capture follows). Two streams never run split launches of one weight at once:
+    prompts beside decoding steps run more rows than DECODE_MAX_ROWS."""
+    if weight.data_ptr() not in _ARRIVALS:
+        _ARRIVALS[weight.data_ptr()] = torch.zeros(MIN_PROGRAMS, dtype=torch.int32, device=weight.device)
+    return _ARRIVALS[weight.data_ptr()]
 
 
 def plan(n: int, k: int) -> tuple[int, int]:
@@ -27,7 +36,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     (x's shape and strides), the input is silu(x) * up instead (the down projection of a SwiGLU MLP, its gate and
     up products never stored). A row's bits are the same whatever T is: the tiles depend on the weight's shape
     only, and every launch computes 16 rows."""
-    from moestream.kernels.triton.dense_gemv import dense_rows_kernel, split_sum_kernel
+    from moestream.kernels.triton.dense_gemv import dense_rows_kernel
 
     t, k = x.shape
     n = weight.shape[0]
@@ -40,9 +49,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     part = torch.empty(splits, t, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     bias_or_any = weight if bias is None else bias
     dense_rows_kernel[(-(-n // bn), splits)](
-        x, x if up is None else up, weight, bias_or_any, y, part, t, n, x.stride(0), K=k, BN=bn, BK=BK, SPAN=span,
-        SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None, num_warps=4, num_stages=3)
-    if splits > 1:
-        split_sum_kernel[(-(-t * n // SUM_BLOCK),)](part, bias_or_any, y, t * n, n, SPLITS=splits, BLOCK=SUM_BLOCK,
-                                                    HAS_BIAS=bias is not None, num_warps=4)
+        x, x if up is None else up, weight, bias_or_any, y, part, arrivals(weight) if splits > 1 else y, t, n,
+        x.stride(0), K=k, BN=bn, BK=BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None,
+        num_warps=4, num_stages=3)
     return y

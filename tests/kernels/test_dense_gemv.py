@@ -68,3 +68,25 @@ def test_rows_match_reference_and_do_not_depend_on_the_batch(n, k, glu):
     for start, rows in ((0, 1), (5, 1), (0, 2), (3, 3), (1, 7)):
         alone = dense_gemv(x[start: start + rows], w, bias, up[start: start + rows] if glu else None)
         assert torch.equal(alone, got[start: start + rows]), (start, rows)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA graph")
+def test_split_launches_repeat_their_bits_eagerly_and_in_a_graph():
+    """Where K is split, the last program of a block to finish adds the parts and resets its count: launch after
+    launch, eager and replayed in a CUDA graph, the same bits."""
+    from moestream.kernels.dense_gemv import dense_gemv, plan
+
+    gen = torch.Generator().manual_seed(9)
+    n, k = 2048, 4096
+    assert plan(n, k)[1] > 1
+    x = torch.randn(3, k, generator=gen).to(DEVICE, DTYPE)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, DTYPE)
+    first = dense_gemv(x, w, None)
+    assert all(torch.equal(dense_gemv(x, w, None), first) for _ in range(3))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dense_gemv(x, w, None)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, first)

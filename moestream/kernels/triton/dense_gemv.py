@@ -1,19 +1,22 @@
 """A decode step's dense projections: y = W x (+ b) for up to 16 token rows, W [N, K] bf16 read once for all of
 them, fp32 accumulation in tensor-core products; with GLU, x = silu(gate) * up (a SwiGLU MLP's down projection),
-each rounded to the activation dtype as torch rounds them."""
+each rounded to the activation dtype as torch rounds them. Where K is split, the last of a block's programs to
+finish sums the parts (one launch, not a GEMV and a reduction: a decode step ran three such pairs a layer)."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, T, N, stride_x, K: tl.constexpr,
+def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrivals_ptr, T, N, stride_x, K: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, SPLITS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
     """Program (i, s): the BN weight rows n of block i for all of the step's token rows, 16 of them with the ones
     past T masked (zeros), over columns s * SPAN .. (s + 1) * SPAN in chunks of BK, one tensor-core product a
     chunk. The weights are read once for every row, and a row's bits do not depend on T: the other rows of the
-    tile never meet it in a product (batch invariance)."""
+    tile never meet it in a product (batch invariance). With SPLITS, each program stores its fp32 part and counts
+    itself in arrivals[i]; the last to arrive adds the parts in split order (the same bits every run) and resets the
+    count for the next launch."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     live = n < N
     start = tl.program_id(1) * SPAN
@@ -33,24 +36,19 @@ def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, T, N, stride
                     other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     out = rows[:, None] < T
+    mine = out & live[None, :]
+    last = True
     if SPLITS > 1:
-        tl.store(part_ptr + (tl.program_id(1) * T + rows[:, None]) * N + n[None, :], acc, mask=out & live[None, :])
-    else:
+        tl.store(part_ptr + (tl.program_id(1) * T + rows[:, None]) * N + n[None, :], acc, mask=mine)
+        tl.debug_barrier()  # every thread's part is stored before the count that releases it
+        last = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") == SPLITS - 1
+        if last:
+            acc = tl.zeros((16, BN), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                acc += tl.load(part_ptr + (s * T + rows[:, None]) * N + n[None, :], mask=mine, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(arrivals_ptr + tl.program_id(0), 0)
+    if last:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out & live[None, :])
-
-
-@triton.jit
-def split_sum_kernel(part_ptr, b_ptr, y_ptr, TOTAL, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
-    """y[i] = sum over splits s, in order, of part[s, i] (+ bias[i % N]) for the TOTAL = T * N outputs: the same
-    bits every run."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = i < TOTAL
-    y = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        y += tl.load(part_ptr + s * TOTAL + i, mask=live, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + i % N, mask=live, other=0.0).to(tl.float32)
-    tl.store(y_ptr + i, y.to(y_ptr.dtype.element_ty), mask=live)
+        tl.store(y_ptr + rows[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mine)
