@@ -19,7 +19,7 @@ def arrivals(weight: torch.Tensor) -> torch.Tensor:
     if weight.data_ptr() in _ARRIVALS:
         return _ARRIVALS[weight.data_ptr()]
     counts = torch.zeros(MIN_PROGRAMS, dtype=torch.int32, device=weight.device)
-    if not torch.cuda.is_current_stream_capturing():  # captured, the zeros exist only once the graph replays
+    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):  # captured, zero once it replays
         _ARRIVALS[weight.data_ptr()] = counts
     return counts
 
