@@ -11,7 +11,9 @@ fiction, so no row reads Q4 from disk), its Q2 file holds real random codes on d
 disk-only row and the Q2 misses. The n-gram table has 16 heads of `--ngram-rows` rows (1M: 1.6 GB; the model's
 20M would not fit beside the Q2 file; a token reads 16 rows whatever the size), in pinned host memory.
 Routing is the random routers' near-uniform one (the worst case for a cache), or with `--routing TRACE` (both
-stages) a store of its own whose routers follow a recorded trace's popularity per layer (not its reuse).
+stages) a store of its own whose routers follow a recorded trace's popularity per layer (not its reuse). Each row
+is one user's engine (max_batch 1, as the peers' batch-1 figures): the default's 16 batch slots (their states and
+KV) took 2.4 GB of the 24 GB row's pool (11.3 -> 8.9 GB) at 3fde969.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def stage_run(args, state: dict) -> None:
         options = dict(options)
         host = options.pop("host", False)
         try:
-            llm = LLM(path, device=args.device, host_gb=1.01 * q4_total if host else 0, preload=True, **options)
+            llm = LLM(path, device=args.device, host_gb=1.01 * q4_total if host else 0, preload=True, max_batch=1,
+                      **options)
         except MoestreamError as e:  # a budget the load cannot meet is a finding, not the end of the stage
             state.setdefault("refused", {})[name] = str(e)
             print(f"{name}: {e}")
