@@ -12,8 +12,8 @@ disk-only row and the Q2 misses. The n-gram table has 16 heads of `--ngram-rows`
 20M would not fit beside the Q2 file; a token reads 16 rows whatever the size), in pinned host memory.
 Routing is the random routers' near-uniform one (the worst case for a cache), or with `--routing TRACE` (both
 stages) a store of its own whose routers follow a recorded trace's popularity per layer (not its reuse). Each row
-is one user's engine (max_batch 1, as the peers' batch-1 figures): the default's 16 batch slots (their states and
-KV) took 2.4 GB of the 24 GB row's pool (11.3 -> 8.9 GB) at 3fde969.
+is one user's engine (max_batch 1, as the peers' batch-1 figures): the default's 16 batch slots would take their
+states and KV (2.4 GB at 24 GB) from the pool.
 """
 
 from __future__ import annotations
