@@ -34,9 +34,8 @@ class SparseMoE(nn.Module):
         """x [T, H] -> [T, H]. The routers' ids land in `ctx.experts.routed` when the step counts them later."""
         t, h = x.shape
         routed = ctx.experts.routed
-        logits, *shared = self.from_input.parts(x)
-        weights, ids = ops.route(logits, self.top_k, self.normalise, x.dtype,
-                                 routed[self.layer_slot] if routed is not None else None)
+        weights, ids, *shared = self.from_input.routed(x, self.top_k, self.normalise,
+                                                       routed[self.layer_slot] if routed is not None else None)
         if ctx.experts.cut is not None:  # a step in pieces: the host's turn between routing and experts
             ctx.experts.cut(self.layer_slot, x)
         # a padded prompt's extra rows are computed by no expert: zeros, so that every row stays finite
