@@ -118,6 +118,19 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
     return reference.moe_combine(y, weights, shared, shared_gate)
 
 
+def combine_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                         shared_gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                         zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(x, moe_combine(y, weights, shared, shared_gate), ...): an MoE block's output added to the
+    residual stream and normed for the next block, one launch on the GPU."""
+    if use_triton(x.device):
+        from moestream.kernels import combine
+
+        return combine.combine_add_rms_norm(x, y, weights, shared, shared_gate, weight, eps, zero_centered)
+    return reference.add_rms_norm(x, reference.moe_combine(y, weights, shared, shared_gate), weight, eps,
+                                  zero_centered)
+
+
 def decode_attention(q: torch.Tensor, k_cache, v_cache, position: torch.Tensor, scale: float,
                      rows: torch.Tensor | None = None, gate: torch.Tensor | None = None, maps=None) -> torch.Tensor:
     """Query tokens, each over its positions 0..position, or one over the listed positions `rows`, in a cache

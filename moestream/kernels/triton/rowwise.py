@@ -6,6 +6,8 @@ program per token)."""
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton.combine import combined
+
 
 @triton.jit
 def _normed(x, inv_rms, w, dt, ZERO_CENTERED: tl.constexpr):
@@ -32,6 +34,25 @@ def rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, eps, D: tl.constexp
         x = x.to(tl.float32)
     w = tl.load(w_ptr + (r % GROUPS) * D + d, mask=inside, other=0.0).to(tl.float32)
     y = _normed(x, tl.rsqrt(tl.sum(x * x, axis=0) / D + eps), w, x_ptr.dtype.element_ty, ZERO_CENTERED)
+    tl.store(out_ptr + r * D + d, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def combine_add_rms_norm_kernel(x_ptr, y_ptr, rw_ptr, shared_ptr, gate_ptr, sum_ptr, w_ptr, out_ptr, eps,
+                                D: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+                                ZERO_CENTERED: tl.constexpr):
+    """rms_norm_kernel with ADD, its residual row the MoE block's output made here (combine_kernel's `combined`)
+    rather than read: sum[r] = x[r] + combined(r), out[r] = its RMSNorm, in one launch."""
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    inside = d < D
+    dt = x_ptr.dtype.element_ty
+    res = combined(y_ptr, rw_ptr, shared_ptr, gate_ptr, r, d, inside, dt, D, TOP_K, BLOCK, SHARED)
+    x = (tl.load(x_ptr + r * D + d, mask=inside, other=0.0).to(tl.float32) + res.to(tl.float32)).to(dt)
+    tl.store(sum_ptr + r * D + d, x, mask=inside)
+    x = x.to(tl.float32)
+    w = tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32)
+    y = _normed(x, tl.rsqrt(tl.sum(x * x, axis=0) / D + eps), w, dt, ZERO_CENTERED)
     tl.store(out_ptr + r * D + d, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
