@@ -14,11 +14,14 @@ _ARRIVALS: dict[int, torch.Tensor] = {}
 
 def arrivals(weight: torch.Tensor) -> torch.Tensor:
     """The counts a split launch over `weight` keeps, zero between launches: one set a weight, made at its first
-    launch (the eager step a graph's capture follows). Two streams never run split launches of one weight at once:
+    eager launch (the step a graph's capture follows). Two streams never run split launches of one weight at once:
     prompts beside decoding steps run more rows than DECODE_MAX_ROWS."""
-    if weight.data_ptr() not in _ARRIVALS:
-        _ARRIVALS[weight.data_ptr()] = torch.zeros(MIN_PROGRAMS, dtype=torch.int32, device=weight.device)
-    return _ARRIVALS[weight.data_ptr()]
+    if weight.data_ptr() in _ARRIVALS:
+        return _ARRIVALS[weight.data_ptr()]
+    counts = torch.zeros(MIN_PROGRAMS, dtype=torch.int32, device=weight.device)
+    if not torch.cuda.is_current_stream_capturing():  # captured, the zeros exist only once the graph replays
+        _ARRIVALS[weight.data_ptr()] = counts
+    return counts
 
 
 def plan(n: int, k: int) -> tuple[int, int]:

@@ -73,7 +73,7 @@ def test_rows_match_reference_and_do_not_depend_on_the_batch(n, k, glu):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA graph")
 def test_split_launches_repeat_their_bits_eagerly_and_in_a_graph():
     """Where K is split, the last program of a block to finish adds the parts and resets its count: launch after
-    launch, eager and replayed in a CUDA graph, the same bits."""
+    launch, eager and replayed in a CUDA graph, the same bits, whichever came first."""
     from moestream.kernels.dense_gemv import dense_gemv, plan
 
     gen = torch.Generator().manual_seed(9)
@@ -90,3 +90,11 @@ def test_split_launches_repeat_their_bits_eagerly_and_in_a_graph():
         out.zero_()
         graph.replay()
         assert torch.equal(out, first)
+    # a weight first launched inside a capture: its graph zeroes counts of its own, eager launches make theirs
+    w2 = w.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dense_gemv(x, w2, None)
+    assert torch.equal(dense_gemv(x, w2, None), first)
+    graph.replay()
+    assert torch.equal(out, first)
