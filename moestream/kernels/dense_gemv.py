@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from moestream.kernels.launch import arrival_counts
+
 BK = 128  # K chunk: a [16, BK] x [BK, BN] tensor-core product
 MIN_PROGRAMS = 528  # four blocks an SM of the H200's 132
-_ARRIVALS: dict[int, torch.Tensor] = {}
 
 
 def arrivals(weight: torch.Tensor) -> torch.Tensor:
-    """The counts a split launch over `weight` keeps, zero between launches: one set a weight, made at its first
-    eager launch (the step a graph's capture follows). Two streams never run split launches of one weight at once:
-    prompts beside decoding steps run more rows than DECODE_MAX_ROWS."""
-    if weight.data_ptr() in _ARRIVALS:
-        return _ARRIVALS[weight.data_ptr()]
-    counts = torch.zeros(MIN_PROGRAMS, dtype=torch.int32, device=weight.device)
-    if not torch.cuda.is_current_stream_capturing():  # captured, the zeros exist only once the graph replays
-        _ARRIVALS[weight.data_ptr()] = counts
-    return counts
+    """The counts a split launch over `weight` keeps (launch.arrival_counts), one set a weight. Two streams never run
+    split launches of one weight at once: prompts beside decoding steps run more rows than DECODE_MAX_ROWS."""
+    return arrival_counts(("dense_gemv", weight.data_ptr()), MIN_PROGRAMS, weight.device)
 
 
 def plan(n: int, k: int) -> tuple[int, int]:
