@@ -64,9 +64,9 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_pt
         m = m_new
     # splits past the last live position add nothing; one live split is the answer itself (what the merge of it
     # with empty splits gave: the same bits)
-    live = tl.cdiv(end, SPLIT_LEN)
-    if s < live:
-        if live == 1:
+    used = tl.cdiv(end, SPLIT_LEN)  # splits holding live positions
+    if s < used:
+        if used == 1:
             _finish(acc, l, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, HKV * G, D, GATE)
         else:
             base = (t * HKV * G + heads) * SPLITS
@@ -74,21 +74,21 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_pt
             tl.store(m_ptr + base + s, m, mask=g < G)
             tl.store(l_ptr + base + s, l, mask=g < G)
             tl.debug_barrier()  # every thread's partials are stored before the count that releases them
-            if tl.atomic_add(counts_ptr + t * HKV + hk, 1, sem="acq_rel") == live - 1:
-                _merge(acc_ptr, m_ptr, l_ptr, base, live, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE,
+            if tl.atomic_add(counts_ptr + t * HKV + hk, 1, sem="acq_rel") == used - 1:
+                _merge(acc_ptr, m_ptr, l_ptr, base, used, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE,
                        GATE_ROW, HKV * G, GP, D, GATE)
                 tl.store(counts_ptr + t * HKV + hk, 0)
 
 
 @triton.jit
-def _merge(acc_ptr, m_ptr, l_ptr, base, live, t, heads, d, rows, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW,
+def _merge(acc_ptr, m_ptr, l_ptr, base, used, t, heads, d, rows, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW,
            HQ: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr):
-    """The live splits' partials merged in split order, an online softmax over them (a split of rows may hold none:
+    """The `used` splits' partials merged in split order, an online softmax over them (a split of rows may hold none:
     m = -inf, l = 0)."""
     big = tl.full((GP,), float("-inf"), tl.float32)
     den = tl.zeros((GP,), tl.float32)
     num = tl.zeros((GP, D), tl.float32)
-    for j in range(live):
+    for j in range(used):
         m_j = tl.load(m_ptr + base + j, mask=rows, other=float("-inf"), cache_modifier=".cg")
         new = tl.maximum(big, m_j)
         ref = tl.where(new == float("-inf"), 0.0, new)
