@@ -42,4 +42,3 @@ def combine_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor
                                       BLOCK=triton.next_power_of_2(h), TOP_K=k, SHARED=has_shared,
                                       ZERO_CENTERED=zero_centered, num_warps=4 if h >= 1024 else 1)
     return total, out
-

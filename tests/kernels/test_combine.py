@@ -51,4 +51,3 @@ def test_inside_the_next_norm_keeps_the_bits(tokens, top_k, hidden, shared, zero
     got = combine_add_rms_norm(x, y, weights, *extra, norm, 1e-6, zero_centered)
     want = rowwise.add_rms_norm(x, moe_combine(y, weights, *extra), norm, 1e-6, zero_centered)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-
