@@ -396,5 +396,6 @@ class LLM:
             if part is not None:
                 part.close()
         self.decoder = self.head = self.provider = self.ranks = self.model = self.prefix_cache = None
+        self.scheduler = self.prefiller = None  # they hold the decoder, the model and the provider too
         gc.unfreeze()
         gc.collect()

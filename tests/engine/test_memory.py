@@ -1,6 +1,8 @@
 """A whole-GPU budget split into parts, the pool getting what is left; budgets that cannot hold a step refused."""
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from moestream.engine.memory import activation_bytes, kv_row_bytes, slot_bytes
 from moestream.errors import BudgetError, ConfigError
 from moestream.experts.store import open_store
 from moestream.layers.linear import Projections
+from moestream.sampling import SamplingParams
 
 
 def _kv_bytes(llm: LLM) -> int:
@@ -98,3 +101,14 @@ def test_gpu_the_load_keeps_one_copy_of_the_weights(tiny):
     largest = max(g.numel() * g.element_size() for g in groups)
     small = 2**16  # the n-gram tables' counters and staging
     assert torch.cuda.max_memory_allocated() - before <= sum(blocks) + largest + small  # in 512-byte blocks
+
+
+def test_close_lets_go_of_the_pool_and_the_host_tier(tiny):
+    """Once closed, nothing of an engine holds its expert provider (pool, pinned host tier, fetch threads), even
+    while the closed engine is still referenced: the next engine in the process can pin that memory again."""
+    llm = LLM(tiny.store("qwen3_moe"), device="cpu", host_gb=0.05)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    provider, model = weakref.ref(llm.provider), weakref.ref(llm.model)
+    llm.close()
+    gc.collect()
+    assert provider() is None and model() is None

@@ -1,0 +1,67 @@
+"""A graphed decode step's kernels and the gaps between them: a CUPTI trace of a few resident decode steps, each
+kernel by name with its launches a step, mean duration and the idle time after it (docs/performance.md, the
+resident decode step kernel by kernel). Graph replays are traced kernel by kernel.
+
+python -m benchmarks.probes.step_kernels STORE [--steps 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moestream.engine.llm import LLM
+from moestream.sampling import SamplingParams
+
+
+def kernels_of(trace: str) -> list[dict]:
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+
+
+def table(kernels: list[dict], steps: int) -> list[dict]:
+    """Per kernel name: launches a step, mean us, us idle before the next kernel (gaps over 100 us are the host's
+    turn between steps and are left out)."""
+    by = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for a, b in zip(kernels, kernels[1:] + [None]):
+        row = by[a["name"][:80]]
+        row[0] += 1
+        row[1] += a["dur"]
+        gap = 0.0 if b is None else b["ts"] - a["ts"] - a["dur"]
+        row[2] += gap if 0 < gap < 100 else 0.0
+    return sorted(({"kernel": name, "a_step": n / steps, "us": dur / n, "gap_after_us": gap / n}
+                   for name, (n, dur, gap) in by.items()), key=lambda r: -r["a_step"] * (r["us"] + r["gap_after_us"]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("store")
+    p.add_argument("--steps", type=int, default=16)
+    args = p.parse_args()
+    llm = LLM(args.store)
+    llm.generate([[1, 2, 3, 4] * 4], SamplingParams(max_tokens=4, ignore_eos=True))  # compile and capture
+    llm._submit([5, 6, 7, 8] * 4, SamplingParams(max_tokens=args.steps + 4, ignore_eos=True))
+    for _ in range(2):  # the prompt, then a first decode step, outside the trace
+        llm.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            llm.step()
+        torch.cuda.synchronize()
+    trace = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(trace)
+    kernels = kernels_of(trace)
+    print(f"{llm.config.num_hidden_layers} layers, {len(kernels) / args.steps:.0f} kernels a step")
+    for row in table(kernels, args.steps):
+        print(f"{row['a_step']:6.1f} x {row['us']:7.2f} us, then {row['gap_after_us']:5.2f} idle  {row['kernel']}")
+
+
+if __name__ == "__main__":
+    main()
