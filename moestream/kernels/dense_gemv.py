@@ -1,7 +1,7 @@
 """Launching the dense decode kernel: a decode step's projections for up to DECODE_MAX_ROWS token rows, one launch
-each, the weights read once for every row (cuBLAS ran the [q|k|v] projection as a split-K
-GEMM plus a reduction kernel, at about half the HBM rate, and its tiles change with the number of rows; a GEMV
-with an accumulator per row read the weights once per 4 rows: 16 rows cost 4-8x one)."""
+each, the weights read once for every row (cuBLAS ran the [q|k|v] projection as a split-K GEMM plus a reduction
+kernel, at about half the HBM rate, and its tiles change with the number of rows; a GEMV with an accumulator per
+row read the weights once per 4 rows: 16 rows cost 4-8x one)."""
 
 from __future__ import annotations
 

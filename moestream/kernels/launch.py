@@ -38,4 +38,3 @@ def arrival_counts(key, size: int, device: torch.device) -> torch.Tensor:
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _COUNTS[key, device] = counts
     return counts
-
