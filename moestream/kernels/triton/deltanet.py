@@ -36,7 +36,7 @@ def conv_prefill_kernel(x_ptr, state_ptr, w_ptr, out_ptr, T, STRIDE_X, C: tl.con
     """Rows t of block i, channels c of block j: silu(sum_j w[c, j] * [state; x][t + j, c]), as conv_step_kernel
     rounds, written planar: channels below KEY to q [T, KEY], the next KEY to k, the rest to v [T, C - 2 KEY], one
     after another in out (each contiguous, as the chunked delta rule reads them). The state is not touched."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # rows times a wide stride pass 2^31
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     live = (t < T)[:, None] & (c < C)[None, :]
     dt = x_ptr.dtype.element_ty
