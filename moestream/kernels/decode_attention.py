@@ -8,12 +8,15 @@ import math
 import torch
 import triton
 
+from moestream.kernels.launch import arrival_counts
+
 BLOCK_N = 64  # positions per inner step of the split kernel
 # over listed rows (QSA's ~2k): 32 a step, as the indices take registers that 64 would spill at D 256, and short
 # splits, so that a few kv heads still spread over the SMs
 ROWS_BLOCK_N, ROWS_SPLIT = 32, 64
 BLOCK_SPLIT = 256  # positions per split, before rounding (the split count is capped at MAX_SPLITS)
 MAX_SPLITS = 64
+COUNTS = 1 << 14  # (token, kv head) pairs a launch may count splits for
 
 
 def splits(capacity: int, block_n: int = BLOCK_N, block_split: int = BLOCK_SPLIT) -> tuple[int, int]:
@@ -74,16 +77,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     acc = torch.empty(t, hq, count, d, dtype=torch.float32, device=q.device)
     m = torch.empty(t, hq, count, dtype=torch.float32, device=q.device)
     l = torch.empty(t, hq, count, dtype=torch.float32, device=q.device)
-    kernels.decode_attention_split_kernel[(hkv, count, t)](
-        q, k_cache, v_cache, row_map, offsets, position, position if rows is None else rows, acc, m, l,
-        scale * math.log2(math.e), entries, HKV=hkv, G=g, D=d, GP=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=block_n, SPLIT_LEN=length, SPLITS=count, ROWS=rows is not None, MAP=mapped, OFFSETS=per_token,
-        num_warps=4 if d <= 128 else 8)
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     if gate is not None:
         assert gate.shape == out.shape and gate.stride(-1) == 1
-    kernels.decode_attention_combine_kernel[(hq, t)](
-        acc, m, l, out if gate is None else gate, out, d if gate is None else gate.stride(1),
-        hq * d if gate is None else gate.stride(0), hq, D=d, SPLITS=count, SPLITS_P=triton.next_power_of_2(count),
-        GATE=gate is not None, num_warps=1)
+    assert t * hkv <= COUNTS
+    kernels.decode_attention_split_kernel[(hkv, count, t)](
+        q, k_cache, v_cache, row_map, offsets, position, position if rows is None else rows, acc, m, l,
+        arrival_counts("decode_attention", COUNTS, q.device), out if gate is None else gate, out,
+        d if gate is None else gate.stride(1), hq * d if gate is None else gate.stride(0),
+        scale * math.log2(math.e), entries, HKV=hkv, G=g, D=d, GP=max(16, triton.next_power_of_2(g)),
+        BLOCK_N=block_n, SPLIT_LEN=length, SPLITS=count, ROWS=rows is not None, MAP=mapped, OFFSETS=per_token,
+        GATE=gate is not None, num_warps=4 if d <= 128 else 8)
     return out

@@ -14,6 +14,7 @@ import triton
 FUSED_TILE = 128 * 128  # fp32 state elements of one program: 164 registers a thread at 8 warps on sm_90, no spills
 SPLIT_TILE = 64 * 64  # elements of one program when a head's columns are split
 CONV_BLOCK = 256  # channels a program (40 programs at conv_dim 10240)
+PREFILL_CONV_TILE = (32, 128)  # rows x channels a program of a prompt's conv
 
 
 def recurrent_tiles(dk: int, dv: int, norm: bool) -> tuple[int, int, bool, int]:
@@ -39,6 +40,24 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tor
                                                ROWS=triton.next_power_of_2(k - 1), BLOCK=block,
                                                num_warps=2 if block >= 128 else 1)
     return out
+
+
+def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int) -> tuple[torch.Tensor, ...]:
+    """reference.causal_conv1d of T rows x [T, C] (rows of any stride) after state [K-1, C] (contiguous, then
+    shifted in place to end with x's last rows), weight [C, 1, K] -> (q [T, key_dim], k [T, key_dim], v), each
+    contiguous, in x's dtype."""
+    from moestream.kernels.triton.deltanet import conv_prefill_kernel
+
+    t, c = x.shape
+    k = weight.shape[-1]
+    assert k >= 2 and state.shape == (k - 1, c) and state.is_contiguous() and x.stride(1) == 1
+    out = torch.empty(t * c, dtype=x.dtype, device=x.device)
+    bt, bc = PREFILL_CONV_TILE
+    conv_prefill_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](x, state, weight.contiguous(), out, t, x.stride(0),
+                                                                  C=c, KEY=key_dim, K=k, BT=bt, BC=bc, num_warps=4)
+    state.copy_(torch.cat([state, x[-(k - 1):]])[-(k - 1):])  # after the kernel read it (stream order)
+    q, kk, v = out.split([t * key_dim, t * key_dim, t * (c - 2 * key_dim)])
+    return q.view(t, key_dim), kk.view(t, key_dim), v.view(t, c - 2 * key_dim)
 
 
 def recurrent_step(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
@@ -91,19 +110,15 @@ def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
 def deltanet_prefill(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
                      A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                      activation: str, conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """reference.deltanet_step over T > 1 tokens: the causal conv in torch, the delta rule in fla's chunked
-    kernels (value head h reads key head h // (Hv // Nk), as fla's grouped value heads do). States updated in
-    place. Returns [T, Hv * Dv] in mixed's dtype."""
+    """reference.deltanet_step over T > 1 tokens: the causal conv (conv_prefill), then the delta rule in fla's
+    chunked kernels (value head h reads key head h // (Hv // Nk), as fla's grouped value heads do). States updated
+    in place. Returns [T, Hv * Dv] in mixed's dtype."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    from moestream.kernels.reference import causal_conv1d
 
     t = mixed.shape[0]
     hv, dk, dv = state.shape
     nk = (mixed.shape[-1] - hv * dv) // (2 * dk)
-    mixed, conv = causal_conv1d(mixed, conv_state, conv_weight)
-    conv_state.copy_(conv)
-    q, k, v = mixed.split([nk * dk, nk * dk, hv * dv], dim=-1)
+    q, k, v = conv_prefill(mixed, conv_state, conv_weight, nk * dk)
     beta = torch.sigmoid(b.float())
     g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
     out, final = chunk_gated_delta_rule(q.reshape(1, t, nk, dk), k.reshape(1, t, nk, dk), v.reshape(1, t, hv, dv),

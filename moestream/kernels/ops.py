@@ -84,6 +84,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return reference.linear(x, weight, bias)
 
 
+def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, experts: int, top_k: int,
+                  normalise: bool, ids_out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(x @ weight.T + bias, then `route` of its first `experts` columns): a router's product and its routing, in
+    one launch for a decode step's rows on the GPU (the GEMV's last block routes)."""
+    if x.shape[0] <= DECODE_MAX_ROWS and use_triton(x.device):
+        from moestream.kernels import dense_gemv
+
+        return dense_gemv.dense_gemv(x, weight, bias, route=dense_gemv.Route(experts, top_k, normalise, x.dtype,
+                                                                               ids_out))
+    y = linear(x, weight, bias)
+    return (y, *route(y[:, :experts], top_k, normalise, x.dtype, ids_out))
+
+
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up @ weight.T (reference.glu_linear); a decode step's rows on the GPU as one GEMV launch."""
     if gate.shape[0] <= DECODE_MAX_ROWS and use_triton(gate.device):
@@ -103,6 +116,19 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
 
         return combine.moe_combine(y, weights, shared, shared_gate)
     return reference.moe_combine(y, weights, shared, shared_gate)
+
+
+def combine_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                         shared_gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                         zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(x, moe_combine(y, weights, shared, shared_gate), ...): an MoE block's output added to the
+    residual stream and normed for the next block, one launch on the GPU."""
+    if use_triton(x.device):
+        from moestream.kernels import combine
+
+        return combine.combine_add_rms_norm(x, y, weights, shared, shared_gate, weight, eps, zero_centered)
+    return reference.add_rms_norm(x, reference.moe_combine(y, weights, shared, shared_gate), weight, eps,
+                                  zero_centered)
 
 
 def decode_attention(q: torch.Tensor, k_cache, v_cache, position: torch.Tensor, scale: float,

@@ -43,3 +43,12 @@ class Projections:
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, K] -> each linear's output [T, out_features] (views of one product)."""
         return self(x).split(self.sizes, dim=-1)
+
+    def routed(self, x: torch.Tensor, top_k: int, normalise: bool, ids_out: torch.Tensor | None = None) -> tuple:
+        """The first linear is a router: (weights [T, top_k], ids [T, top_k], then every linear's output), the
+        routing in the product's launch on the GPU (ops.routed_linear)."""
+        if self.weight is None:
+            logits, *rest = self.parts(x)
+            return (*ops.route(logits, top_k, normalise, x.dtype, ids_out), *rest)
+        y, weights, ids = ops.routed_linear(x, self.weight, self.bias, self.sizes[0], top_k, normalise, ids_out)
+        return (weights, ids, *y.split(self.sizes, dim=-1)[1:])

@@ -3,6 +3,8 @@ kernels compute), then combine every token's top-k outputs in k order (so nothin
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -11,6 +13,18 @@ from moestream.kernels import ops
 from moestream.layers.context import StepContext
 from moestream.layers.linear import Linear, Projections
 from moestream.layers.mlp import MLP
+
+
+class MoEOutput(NamedTuple):
+    """A block's output before its combine: the next norm adds it to the residual stream in its own launch."""
+
+    y: torch.Tensor  # [T, K, H] unweighted top-k outputs
+    weights: torch.Tensor  # [T, K]
+    shared: torch.Tensor | None = None  # the shared expert's output [T, H], and its gate [T, 1]
+    shared_gate: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        return ops.moe_combine(*self)
 
 
 class SparseMoE(nn.Module):
@@ -30,20 +44,21 @@ class SparseMoE(nn.Module):
     def fuse_projections(self) -> None:
         self.from_input.fuse()
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """x [T, H] -> [T, H]. The routers' ids land in `ctx.experts.routed` when the step counts them later."""
+    def forward(self, x: torch.Tensor, ctx: StepContext, deferred: bool = False) -> torch.Tensor | MoEOutput:
+        """x [T, H] -> [T, H], or with `deferred` its MoEOutput. The routers' ids land in `ctx.experts.routed` when
+        the step counts them later."""
         t, h = x.shape
         routed = ctx.experts.routed
-        logits, *shared = self.from_input.parts(x)
-        weights, ids = ops.route(logits, self.top_k, self.normalise, x.dtype,
-                                 routed[self.layer_slot] if routed is not None else None)
+        weights, ids, *shared = self.from_input.routed(x, self.top_k, self.normalise,
+                                                       routed[self.layer_slot] if routed is not None else None)
         if ctx.experts.cut is not None:  # a step in pieces: the host's turn between routing and experts
             ctx.experts.cut(self.layer_slot, x)
         # a padded prompt's extra rows are computed by no expert: zeros, so that every row stays finite
         y = x.new_empty(t * self.top_k, h) if ctx.experts.padding is None else x.new_zeros(t * self.top_k, h)
         for part in self.provider.parts(self.layer_slot, ids, x, ctx.experts):
             ops.expert_part(x, part, self.top_k, y)
-        if not self.has_shared:
-            return ops.moe_combine(y.view(t, self.top_k, h), weights)
-        gate, up, shared_gate = shared
-        return ops.moe_combine(y.view(t, self.top_k, h), weights, self.shared_expert.down(gate, up), shared_gate)
+        out = MoEOutput(y.view(t, self.top_k, h), weights)
+        if self.has_shared:
+            gate, up, shared_gate = shared
+            out = out._replace(shared=self.shared_expert.down(gate, up), shared_gate=shared_gate)
+        return out if deferred else out.value()

@@ -9,6 +9,7 @@ from torch import nn
 
 from moestream.kernels import ops
 from moestream.kernels.reference import gated_rms_norm
+from moestream.layers.moe import MoEOutput
 
 
 class RMSNorm(nn.Module):
@@ -22,8 +23,13 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
         return ops.grouped_rms_norm(x, self.weight, self.eps, self.zero_centered, self.group_size)
 
-    def after(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, its norm) in one launch on the GPU; (x, norm(x)) when there is no residual."""
+    def after(self, x: torch.Tensor, residual: torch.Tensor | MoEOutput | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm) in one launch on the GPU (an MoE block's combine too); (x, norm(x)) when there
+        is no residual."""
+        if isinstance(residual, MoEOutput):
+            if self.group_size is None:
+                return ops.combine_add_rms_norm(x, *residual, self.weight, self.eps, self.zero_centered)
+            residual = residual.value()
         if residual is None or self.group_size is not None:
             x = x if residual is None else x + residual
             return x, self(x)

@@ -169,10 +169,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, residual: tuple, ids: torch.Tensor, rope, state, ctx: StepContext) -> tuple:
         """residual (x [T, H], the last block's output not yet added to it, or None) -> the same after this layer;
-        each add runs in the launch of the norm after it."""
+        each add (and the MoE block's combine) runs in the launch of the norm after it."""
         x, h = self.input_layernorm.after(*residual)
         x, h = self.post_attention_layernorm.after(x, self.mix(h, rope, state, ctx))
-        return x, self.mlp(h, ctx)
+        return x, self.mlp(h, ctx, deferred=True) if isinstance(self.mlp, SparseMoE) else self.mlp(h, ctx)
 
 
 class Backbone(nn.Module):

@@ -39,6 +39,28 @@ def params(hv, dv, gen):
     return randn(hv, gen=gen, scale=0.5), randn(hv, gen=gen), randn(dv, gen=gen, scale=0.1) + 1
 
 
+@pytest.mark.parametrize("tokens,key_dim,channels,kernel", [(2, 32, 100, 4), (5, 16, 48, 2), (300, 256, 1280, 4),
+                                                            (33, 8, 40, 3)])
+def test_conv_prefill_matches_reference(poisoned, tokens, key_dim, channels, kernel):
+    """A prompt's conv: the reference's outputs as contiguous q, k and v, and the state shifted to end with the
+    prompt's last rows, over chained prompts (a row stride wider than the channels, as a fused projection's)."""
+    pytest.importorskip("triton")
+    from moestream.kernels import deltanet
+
+    gen = torch.Generator().manual_seed(1)
+    weight = randn(channels, 1, kernel, gen=gen, scale=0.5)
+    state = randn(kernel - 1, channels, gen=gen)
+    want_state = state.clone()
+    for _ in range(2):
+        x = randn(tokens, channels + 7, gen=gen)[:, :channels]
+        q, k, v = deltanet.conv_prefill(x, state, weight, key_dim)
+        want, new = reference.causal_conv1d(x, want_state, weight)
+        want_state.copy_(new)
+        assert all(part.is_contiguous() and part.dtype == x.dtype for part in (q, k, v))
+        torch.testing.assert_close(torch.cat([q, k, v], dim=-1), want, **TOL)
+        torch.testing.assert_close(state, want_state, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("channels,kernel", [(10240, 4), (100, 4), (48, 2), (33, 3)])
 def test_conv_step_matches_reference(poisoned, channels, kernel):
     pytest.importorskip("triton")

@@ -98,3 +98,25 @@ def test_split_launches_repeat_their_bits_eagerly_and_in_a_graph():
     assert torch.equal(dense_gemv(x, w2, None), first)
     graph.replay()
     assert torch.equal(out, first)
+
+
+@pytest.mark.parametrize("n,k,experts,top_k,rows", [(128, 2048, 128, 8, 1), (128, 2048, 128, 8, 16),
+                                                     (1537, 2560, 512, 10, 3), (60, 96, 60, 4, 2)])
+def test_a_routers_launch_routes_its_rows(n, k, experts, top_k, rows):
+    """With `route`, the launch's last block routes every row from its first `experts` outputs: the same product,
+    and the routing of those logits (rowwise.route's ids; weights as close as two reduction orders), launch after
+    launch."""
+    pytest.importorskip("triton")
+    from moestream.kernels import rowwise
+    from moestream.kernels.dense_gemv import Route, dense_gemv
+
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, DTYPE)
+    ids_out = torch.full((rows * top_k,), -1, dtype=torch.int64, device=DEVICE)
+    for _ in range(2):
+        y, weights, ids = dense_gemv(x, w, None, route=Route(experts, top_k, True, DTYPE, ids_out))
+        assert torch.equal(y, dense_gemv(x, w, None))
+        want_weights, want_ids = rowwise.route(y[:, :experts], top_k, True, DTYPE)
+        assert ids.data_ptr() == ids_out.data_ptr() and torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_weights)

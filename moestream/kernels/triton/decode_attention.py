@@ -1,8 +1,9 @@
 """Decode attention, flash-decoding style: query tokens, each over a fixed-size KV cache of which positions
 0..position (read from a device tensor) are live, stored in place or at the rows of a paged cache's row map. A
 split kernel (grid (kv heads, SPLITS, tokens)) runs an online softmax over its slice of positions for the G query
-heads sharing a kv head; a combine kernel (grid (query heads, tokens)) merges the SPLITS partials. The grids
-depend on the cache size alone, so one captured CUDA graph serves every step; a token's bits do not depend on how
+heads sharing a kv head; where one split holds every live position it writes the output itself, else the last
+live split to finish merges the live splits' partials (one launch, not a split and a combine kernel). The grid
+depends on the cache size alone, so one captured CUDA graph serves every step; a token's bits do not depend on how
 many share the launch."""
 
 import triton
@@ -11,9 +12,10 @@ import triton.language as tl
 
 @triton.jit
 def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr,
-                                  qk_scale, C, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                                  GP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-                                  SPLITS: tl.constexpr, ROWS: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr):
+                                  counts_ptr, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, qk_scale, C,
+                                  HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
+                                  ROWS: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr, GATE: tl.constexpr):
     """Partials of split s for kv head hk and query token t: acc [G, D] = sum_n p_n v_n, m = max score,
     l = sum_n p_n, with scores in log2 units (qk_scale = scale * log2(e)). An empty split leaves m = -inf, l = 0,
     acc = 0. With MAP, position p is stored at row map[p] (a paged cache), token t's map starting moff[t] elements
@@ -60,34 +62,53 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_pt
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
-    part = (t * HKV * G + heads) * SPLITS + s
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
-    tl.store(m_ptr + part, m, mask=g < G)
-    tl.store(l_ptr + part, l, mask=g < G)
+    # splits past the last live position add nothing; one live split is the answer itself (what the merge of it
+    # with empty splits gave: the same bits)
+    used = tl.cdiv(end, SPLIT_LEN)  # splits holding live positions
+    if s < used:
+        if used == 1:
+            _finish(acc, l, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, HKV * G, D, GATE)
+        else:
+            base = (t * HKV * G + heads) * SPLITS
+            tl.store(acc_ptr + (base + s)[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+            tl.store(m_ptr + base + s, m, mask=g < G)
+            tl.store(l_ptr + base + s, l, mask=g < G)
+            tl.debug_barrier()  # every thread's partials are stored before the count that releases them
+            if tl.atomic_add(counts_ptr + t * HKV + hk, 1, sem="acq_rel") == used - 1:
+                _merge(acc_ptr, m_ptr, l_ptr, base, used, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE,
+                       GATE_ROW, HKV * G, GP, D, GATE)
+                tl.store(counts_ptr + t * HKV + hk, 0)
 
 
 @triton.jit
-def decode_attention_combine_kernel(acc_ptr, m_ptr, l_ptr, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, HQ,
-                                    D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-                                    GATE: tl.constexpr):
-    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, in a fixed order (deterministic); with GATE,
-    rounded, then times sigmoid(gate[t, h]) (at gate_ptr + t * GATE_ROW + h * GATE_STRIDE), rounded as torch
-    does."""
-    head, t = tl.program_id(0), tl.program_id(1)
-    h = t * HQ + head  # the partials and the output are [T, HQ, ...]
-    i = tl.arange(0, SPLITS_P)
-    # some split holds a live row (position 0, or the query's own), so the max is finite and empty splits weigh 0
-    m = tl.load(m_ptr + h * SPLITS + i, mask=i < SPLITS, other=float("-inf"))
-    big = tl.max(m, axis=0)
-    den = tl.sum(tl.exp2(m - big) * tl.load(l_ptr + h * SPLITS + i, mask=i < SPLITS, other=0.0), axis=0)
-    d = tl.arange(0, D)
-    num = tl.zeros((D,), tl.float32)
-    for s in range(SPLITS):
-        w = tl.exp2(tl.load(m_ptr + h * SPLITS + s) - big)
-        num += w * tl.load(acc_ptr + (h * SPLITS + s) * D + d)
+def _merge(acc_ptr, m_ptr, l_ptr, base, used, t, heads, d, rows, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW,
+           HQ: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr):
+    """The `used` splits' partials merged in split order, an online softmax over them (a split of rows may hold none:
+    m = -inf, l = 0)."""
+    big = tl.full((GP,), float("-inf"), tl.float32)
+    den = tl.zeros((GP,), tl.float32)
+    num = tl.zeros((GP, D), tl.float32)
+    for j in range(used):
+        m_j = tl.load(m_ptr + base + j, mask=rows, other=float("-inf"), cache_modifier=".cg")
+        new = tl.maximum(big, m_j)
+        ref = tl.where(new == float("-inf"), 0.0, new)
+        old, now = tl.exp2(big - ref), tl.exp2(m_j - ref)
+        den = den * old + now * tl.load(l_ptr + base + j, mask=rows, other=0.0, cache_modifier=".cg")
+        num = num * old[:, None] + now[:, None] * tl.load(acc_ptr + (base + j)[:, None] * D + d[None, :],
+                                                          mask=rows[:, None], other=0.0, cache_modifier=".cg")
+        big = new
+    _finish(num, den, t, heads, d, rows, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, HQ, D, GATE)
+
+
+@triton.jit
+def _finish(num, den, t, heads, d, rows, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, HQ: tl.constexpr, D: tl.constexpr,
+            GATE: tl.constexpr):
+    """out[t, heads] = num / den for the heads of `rows`, rounded; with GATE, times sigmoid(gate[t, heads]) (at
+    gate_ptr + t * GATE_ROW + head * GATE_STRIDE), rounded as torch does."""
     dt = out_ptr.dtype.element_ty
-    out = (num / den).to(dt)
+    out = (num / den[:, None]).to(dt)
     if GATE:
-        g = tl.load(gate_ptr + t * GATE_ROW + head * GATE_STRIDE + d).to(tl.float32)
-        out = (out * (1.0 / (1.0 + tl.exp(-g))).to(dt)).to(dt)
-    tl.store(out_ptr + h * D + d, out)
+        g = tl.load(gate_ptr + t * GATE_ROW + heads[:, None] * GATE_STRIDE + d[None, :], mask=rows[:, None],
+                    other=0.0)
+        out = (out * (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(dt)).to(dt)
+    tl.store(out_ptr + (t * HQ + heads)[:, None] * D + d[None, :], out, mask=rows[:, None])

@@ -31,6 +31,30 @@ def conv_step_kernel(x_ptr, state_ptr, w_ptr, out_ptr, C: tl.constexpr, K: tl.co
 
 
 @triton.jit
+def conv_prefill_kernel(x_ptr, state_ptr, w_ptr, out_ptr, T, STRIDE_X, C: tl.constexpr, KEY: tl.constexpr,
+                        K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Rows t of block i, channels c of block j: silu(sum_j w[c, j] * [state; x][t + j, c]), as conv_step_kernel
+    rounds, written planar: channels below KEY to q [T, KEY], the next KEY to k, the rest to v [T, C - 2 KEY], one
+    after another in out (each contiguous, as the chunked delta rule reads them). The state is not touched."""
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # rows times a wide stride pass 2^31
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    live = (t < T)[:, None] & (c < C)[None, :]
+    dt = x_ptr.dtype.element_ty
+    conv = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = t[:, None] + (j - (K - 1))  # the row of x, or below 0 the state's row r + K - 1
+        from_x = tl.load(x_ptr + r * STRIDE_X + c[None, :], mask=live & (r >= 0), other=0.0)
+        from_state = tl.load(state_ptr + (r + K - 1) * C + c[None, :], mask=live & (r < 0), other=0.0)
+        w = tl.load(w_ptr + c * K + j, mask=c < C, other=0.0).to(dt).to(tl.float32)
+        conv += (from_x.to(tl.float32) + from_state.to(dt).to(tl.float32)) * w[None, :]
+    conv = conv.to(dt).to(tl.float32)
+    plane = tl.where(c < KEY, 0, tl.where(c < 2 * KEY, 1, 2))
+    width = tl.where(plane < 2, KEY, C - 2 * KEY)
+    at = plane.to(tl.int64) * T * KEY + t.to(tl.int64)[:, None] * width[None, :] + (c - plane * KEY)[None, :]
+    tl.store(out_ptr + at, (conv * tl.sigmoid(conv)).to(dt), mask=live)
+
+
+@triton.jit
 def _softplus(x):
     """torch's softplus: log(1 + exp(x)), x itself past 20; log1p-accurate where exp(x) is tiny."""
     e = tl.exp(tl.minimum(x, 20.0))

@@ -6,6 +6,8 @@ program per token)."""
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton.combine import combined
+
 
 @triton.jit
 def _normed(x, inv_rms, w, dt, ZERO_CENTERED: tl.constexpr):
@@ -32,6 +34,25 @@ def rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, eps, D: tl.constexp
         x = x.to(tl.float32)
     w = tl.load(w_ptr + (r % GROUPS) * D + d, mask=inside, other=0.0).to(tl.float32)
     y = _normed(x, tl.rsqrt(tl.sum(x * x, axis=0) / D + eps), w, x_ptr.dtype.element_ty, ZERO_CENTERED)
+    tl.store(out_ptr + r * D + d, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def combine_add_rms_norm_kernel(x_ptr, y_ptr, rw_ptr, shared_ptr, gate_ptr, sum_ptr, w_ptr, out_ptr, eps,
+                                D: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+                                ZERO_CENTERED: tl.constexpr):
+    """rms_norm_kernel with ADD, its residual row the MoE block's output made here (combine_kernel's `combined`)
+    rather than read: sum[r] = x[r] + combined(r), out[r] = its RMSNorm, in one launch."""
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    inside = d < D
+    dt = x_ptr.dtype.element_ty
+    res = combined(y_ptr, rw_ptr, shared_ptr, gate_ptr, r, d, inside, dt, D, TOP_K, BLOCK, SHARED)
+    x = (tl.load(x_ptr + r * D + d, mask=inside, other=0.0).to(tl.float32) + res.to(tl.float32)).to(dt)
+    tl.store(sum_ptr + r * D + d, x, mask=inside)
+    x = x.to(tl.float32)
+    w = tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32)
+    y = _normed(x, tl.rsqrt(tl.sum(x * x, axis=0) / D + eps), w, dt, ZERO_CENTERED)
     tl.store(out_ptr + r * D + d, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -63,27 +84,38 @@ def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS: tl.constexpr, D: tl.c
 @triton.jit
 def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                  K_BLOCK: tl.constexpr, NORMALISE: tl.constexpr):
-    """Softmax over a token's E router logits in fp32, then the TOP_K largest, largest first (a tie goes to
-    the lower expert id), optionally renormalised to sum to 1."""
+    """Program r: token r's routing (top_k_rows) from its E router logits."""
     r = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK)
-    logits = tl.load(logits_ptr + r * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)
-    k = tl.arange(0, K_BLOCK)
-    chosen_p = tl.zeros((K_BLOCK,), dtype=tl.float32)
-    chosen_e = tl.zeros((K_BLOCK,), dtype=tl.int64)
+    logits = tl.load(logits_ptr + r * E + e[None, :], mask=e[None, :] < E, other=float("-inf")).to(tl.float32)
+    chosen_p, chosen_e = top_k_rows(logits, E, BLOCK, TOP_K, K_BLOCK, NORMALISE, 1)
+    k = tl.arange(0, K_BLOCK)[None, :]
+    tl.store(weights_ptr + r * TOP_K + k, chosen_p.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
+    tl.store(ids_ptr + r * TOP_K + k, chosen_e, mask=k < TOP_K)
+
+
+@triton.jit
+def top_k_rows(logits, E: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr,
+               NORMALISE: tl.constexpr, ROWS: tl.constexpr):
+    """Router logits [ROWS, BLOCK] in fp32 (-inf past E) -> (weights [ROWS, K_BLOCK] fp32, expert ids int64): a
+    softmax, then the TOP_K largest, largest first (a tie goes to the lower expert id), optionally renormalised to
+    sum to 1."""
+    e = tl.arange(0, BLOCK)[None, :]
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    k = tl.arange(0, K_BLOCK)[None, :]
+    chosen_p = tl.zeros((ROWS, K_BLOCK), dtype=tl.float32)
+    chosen_e = tl.zeros((ROWS, K_BLOCK), dtype=tl.int64)
     left = tl.where(e < E, p, -1.0)
     for i in tl.static_range(TOP_K):
-        best = tl.max(left, axis=0)
-        idx = tl.min(tl.where(left == best, e, BLOCK), axis=0)
+        best = tl.max(left, axis=1)[:, None]
+        idx = tl.min(tl.where(left == best, e, BLOCK), axis=1)[:, None]
         chosen_p = tl.where(k == i, best, chosen_p)
         chosen_e = tl.where(k == i, idx.to(tl.int64), chosen_e)
         left = tl.where(e == idx, -1.0, left)
     if NORMALISE:
-        chosen_p = chosen_p / tl.sum(chosen_p, axis=0)
-    tl.store(weights_ptr + r * TOP_K + k, chosen_p.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
-    tl.store(ids_ptr + r * TOP_K + k, chosen_e, mask=k < TOP_K)
+        chosen_p = chosen_p / tl.sum(chosen_p, axis=1)[:, None]
+    return chosen_p, chosen_e
 
 
 @triton.jit
