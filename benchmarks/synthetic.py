@@ -35,6 +35,7 @@ from moestream.experts.format import (
 )
 from moestream.layers.moe import SparseMoE
 from moestream.models import model_class
+from moestream.models.mtp import head_class
 from moestream.packer.checks import file_check
 from moestream.packer.safetensors_io import SafetensorsWriter, read_header
 from moestream.stats.trace import Trace
@@ -80,12 +81,16 @@ def build(out: str, geometry: str, layers: int | None = None, skew: float = 0.0,
     if "full_attention_interval" in hf:
         n, k = hf["num_hidden_layers"], hf.pop("full_attention_interval")
         hf["layer_types"] = ["linear_attention" if (i + 1) % k else "full_attention" for i in range(n)]
+    if mtp:
+        hf["mtp_num_hidden_layers"] = 1
     cfg = ModelConfig.from_hf(hf)
     os.makedirs(out, exist_ok=True)
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
     dev = gen.device
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+        if mtp:  # its dense tensors too, so that --spec mtp runs on the store
+            model.mtp = head_class(model)(cfg, model.spec)
     hashing = {}
     for layer in cfg.ple_layer_ids:
         hashing |= {f"model.layers.{layer}.ple.ple_embedding.{k}": v
@@ -259,7 +264,8 @@ def main() -> None:
     p.add_argument("--ngram-rows", type=int, help="rows per n-gram head (flash-next; default the model's 20M)")
     p.add_argument("--precisions", default="q4", help="record files to write, e.g. q4,q2")
     p.add_argument("--sparse", default="", help="precisions written as holes (zero experts), e.g. q4")
-    p.add_argument("--mtp", action="store_true", help="one more record layer: the MTP layer's experts")
+    p.add_argument("--mtp", action="store_true",
+                   help="an MTP head: its dense tensors, and its experts as one more record layer")
     args = p.parse_args()
     extra = {"ngram_vocab_size_base": args.ngram_rows} if args.ngram_rows else {}
     m = build(args.out, args.geometry, args.layers, args.skew, precisions=tuple(args.precisions.split(",")),

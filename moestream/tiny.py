@@ -48,31 +48,68 @@ def tiny_config(model_type: str, **overrides: Any):
 
 
 def make_tiny_checkpoint(path: str, model_type: str, seed: int = 0, dtype: str = "bfloat16", words: bool = False,
-                         **overrides: Any) -> str:
-    """Build a random model from a tiny config and `save_pretrained` it to `path`."""
+                         mtp: bool = False, **overrides: Any) -> str:
+    """Build a random model from a tiny config and `save_pretrained` it to `path`; with `mtp` (qwen4_exp), a
+    random MTP head in its checkpoint layout too."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    with torch.no_grad():  # random norms and gates, so that every weight matters
-        for name, p in model.named_parameters():
-            if p.ndim == 1 or "norm" in name or name.endswith(("A_log", "dt_bias")):
-                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if "norm" not in name else 0.5))
-            elif "ple.conv1d" in name:  # qwen4_exp's PLE conv starts at zero, which would hide it
-                p.copy_(torch.randn_like(p) * 0.3)
+    _randomize(model.named_parameters())
     model.save_pretrained(path)
     make_tiny_tokenizer(path, words)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
+    if mtp:
+        _add_qwen4_mtp_head(path, config, getattr(torch, dtype))
+        cfg["mtp_num_hidden_layers"] = 1
     if "layer_types" in cfg:  # every transformers 5.x reads "full_attention"; newer ones also write others
         cfg["layer_types"] = ["linear_attention" if t == "linear_attention" else "full_attention"
                               for t in cfg["layer_types"]]
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=1)
     return path
+
+
+def _randomize(parameters) -> None:
+    """Random norms and gates, so that every weight matters."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in parameters:
+            if p.ndim == 1 or "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if "norm" not in name else 0.5))
+            elif "ple.conv1d" in name:  # qwen4_exp's PLE conv starts at zero, which would hide it
+                p.copy_(torch.randn_like(p) * 0.3)
+
+
+def _add_qwen4_mtp_head(path: str, config, dtype) -> None:
+    """qwen4_exp's `mtp.*` tensors (cherenkov.md §1.1; transformers builds no module for them), made with
+    transformers' own layer and mixer: the stem, one attention + MoE layer, the head's mixer."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
+
+    if config.model_type != "qwen4_exp_text":
+        raise ValueError(f"a tiny MTP head is made for qwen4_exp only, not {config.model_type}")
+    attention = next(i for i, kind in enumerate(config.layer_types)
+                     if kind != "linear_attention" and i + 1 not in config.ple_layer_ids)
+    h = config.hidden_size
+    parts = {"layers.0": hf.Qwen4ExpTextDecoderLayer(config, attention),
+             "hyper_connection_mixer": hf.Qwen4ExpTextGatedResidual(config, use_combine=False)}
+    head = {f"mtp.{part}.{name}": t for part, module in parts.items() for name, t in module.state_dict().items()}
+    head |= {"mtp.fc_embedding.weight": torch.empty(h, h), "mtp.fc_hidden.weight": torch.empty(h, h),
+             "mtp.pre_fc_norm_embedding.weight": torch.empty(h),
+             "mtp.pre_fc_norm_hidden.weight": torch.empty(h * config.hc_count)}
+    for t in head.values():
+        if t.ndim > 1:
+            torch.nn.init.normal_(t, std=config.initializer_range)
+    _randomize(head.items())
+    file = os.path.join(path, "model.safetensors")
+    save_file(load_file(file) | {k: t.to(dtype).contiguous() for k, t in head.items()}, file, {"format": "pt"})
 
 
 WORDS = (

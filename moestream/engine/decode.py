@@ -277,6 +277,9 @@ class Decoder:
     def _forward(self, inputs: StepInputs, state: SequenceState, ctx: StepContext) -> torch.Tensor:
         return self.model(inputs.tokens, state, ctx)
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
     def _new_state(self) -> SequenceState:
         return self.model.new_state(self.dtype, self.device)
 
@@ -294,7 +297,7 @@ class Decoder:
         routed = inputs.routed if addresses is not None or pieces is not None else None
         experts = ExpertStep(addresses, routed, scratch=scratch, pieces=pieces, cut=cut)
         hidden = self._forward(inputs, state, StepContext(inputs.positions, static=True, experts=experts))
-        return hidden, self.model.logits(hidden)
+        return hidden, self._logits(hidden)
 
     def _capture(self, key: tuple[int, bool], state: SequenceState, addresses: torch.Tensor,
                  capacities: tuple) -> None:

@@ -1,4 +1,4 @@
-"""Drafts from the checkpoint's MTP head (models/mtp.py) for speculative decoding.
+"""Drafts from the checkpoint's MTP head (models/mtp.py, or the model's own: qwen4_exp's) for speculative decoding.
 
 The head steps behind the trunk: its row at position t pairs the trunk's hidden state h[t] with the token x[t+1],
 so it sees position t once x[t+1] is known. `HeadDrafts` keeps the trunk's rows the head has not seen and feeds
@@ -28,7 +28,7 @@ class HeadDecoder(Decoder):
     def _inputs(self, rows: int, batched: bool) -> StepInputs:
         inputs = super()._inputs(rows, batched)
         if inputs.hidden is None:
-            inputs.hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+            inputs.hidden = torch.zeros(rows, self.model.hidden_width, dtype=self.dtype, device=self.device)
         return inputs
 
     def _load(self, inputs: StepInputs, tokens: list[int], state: SequenceState, hidden: torch.Tensor) -> None:
@@ -37,6 +37,9 @@ class HeadDecoder(Decoder):
 
     def _forward(self, inputs: StepInputs, state: SequenceState, ctx: StepContext) -> torch.Tensor:
         return self.model.draft(inputs.hidden, inputs.tokens, state, ctx)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.draft_logits(hidden)
 
     def _new_state(self) -> SequenceState:
         return self.model.mtp.new_state(self.dtype, self.device)
@@ -52,7 +55,7 @@ class HeadDrafts:
         self.unseen_rows = 0
 
     def extend(self, hidden: torch.Tensor) -> None:
-        """The trunk's final hidden states [T, H] of its next T positions."""
+        """The trunk's final hidden states [T, hidden_width] of its next T positions."""
         self.unseen.append(hidden)
         self.unseen_rows += hidden.shape[0]
 
@@ -71,7 +74,7 @@ class HeadDrafts:
         if not skip:
             model = self.head.model
             out = model.draft(rows, torch.tensor(ids, device=self.head.device), self.state)[-1:]  # advances
-            return out, model.logits(out)
+            return out, model.draft_logits(out)
         if (skipped := n - self.head.max_rows) > 0:
             for layer in self.state.layers:
                 layer.clear(start, start + skipped)

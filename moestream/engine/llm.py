@@ -33,7 +33,7 @@ from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
 from moestream.layers.context import StepContext
 from moestream.layers.kv import BLOCK_ROWS
-from moestream.models import model_class
+from moestream.models.mtp import head_class
 from moestream.sampling import SamplingParams
 
 
@@ -46,8 +46,6 @@ def _check_mtp_head(store) -> None:
     if not any(layer < 0 for layer in store.manifest.geometry.layer_ids):
         raise ConfigError(f"--spec mtp: this {model_type} store has no MTP head (its checkpoint had no mtp.* "
                           "tensors); use --spec lookup")
-    if not model_class(store.model).mtp_layout:
-        raise ConfigError(f"--spec mtp: moestream does not run {model_type}'s MTP head yet; use --spec lookup")
 
 
 class LLM:
@@ -86,8 +84,8 @@ class LLM:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model = load_model(self.store, self.device, self.dtype, cfg.ngram_tier, cfg.expert.host_gb * 1e9)
         if cfg.speculation == "mtp" and not hasattr(self.model, "mtp"):
-            raise ConfigError("--spec mtp: this store's MTP head does not load (want one layer and mtp.fc.weight); "
-                              "use --spec lookup")
+            raise ConfigError(f"--spec mtp: this store's MTP head does not load (want one layer and "
+                              f"{head_class(self.model).marker}); use --spec lookup")
         if cfg.max_drafts and any(t.host is None for t in ngram_tables(self.model)):
             raise ConfigError("--spec needs the n-gram tables in host memory (--ngram-tier host): a verify step "
                               "reads several tokens' rows in place")

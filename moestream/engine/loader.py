@@ -13,7 +13,7 @@ from moestream.experts.ngram import NgramTable
 from moestream.experts.store import Store
 from moestream.layers.ple import NgramEmbedding
 from moestream.models import model_class
-from moestream.models.mtp import MTPHead
+from moestream.models.mtp import head_class
 
 
 def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tier: str = "auto",
@@ -22,9 +22,10 @@ def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tie
     tensors = load_file(store.dense_path, device=str(device))
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-        mtp = model.mtp_layout and cfg.mtp_num_hidden_layers == 1 and "mtp.fc.weight" in tensors
+        head = head_class(model)
+        mtp = cfg.mtp_num_hidden_layers == 1 and head.marker in tensors
         if mtp:
-            model.mtp = MTPHead(cfg, model.spec)
+            model.mtp = head(cfg, model.spec)
     state = {}
     for name in list(tensors):  # popped as converted, so a tensor and its converted copy are not both kept
         t = tensors.pop(name)

@@ -189,11 +189,15 @@ class Backbone(nn.Module):
     def end(self, residual: tuple) -> torch.Tensor:
         return self.norm.after(*residual)[1]
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads of the trunk's output (`end`'s): here the output itself."""
+        return hidden
+
 
 class CausalLM(nn.Module):
     spec = ModelSpec()
     backbone_class = Backbone
-    mtp_layout = True  # an `mtp.*` head in Qwen3-Next's layout fits this model (models/mtp.py)
+    mtp_head: type | None = None  # the MTP head's module; None: Qwen3-Next's layout (models/mtp.py `head_class`)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -225,10 +229,15 @@ class CausalLM(nn.Module):
     def new_state(self, dtype: torch.dtype, device: torch.device) -> SequenceState:
         return SequenceState([layer.new_state(dtype, device) for layer in self.model.layers])
 
+    @property
+    def hidden_width(self) -> int:
+        """The width of `forward`'s rows: H, or hc * H where the residual is hyper-connection streams."""
+        return self.config.hidden_size * self.config.hc_count
+
     def forward(self, ids: torch.Tensor, state: SequenceState, ctx: StepContext | None = None) -> torch.Tensor:
-        """ids [T] -> final hidden states [T, H]; writes the step's caches into `state`. Without `ctx`, an eager
-        step after the state's tokens, which then advances the state; with one (the engine's steps, which a
-        graph may replay), the caller advances it."""
+        """ids [T] -> the trunk's final hidden states [T, hidden_width] (what `logits` and the MTP head read); writes
+        the step's caches into `state`. Without `ctx`, an eager step after the state's tokens, which then advances
+        the state; with one (the engine's steps, which a graph may replay), the caller advances it."""
         eager = ctx is None
         ctx = ctx or StepContext.eager(state.length, ids.shape[0], ids.device)
         x = self.model.embed_tokens(ids)
@@ -242,8 +251,9 @@ class CausalLM(nn.Module):
 
     def draft(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: SequenceState,
               ctx: StepContext | None = None) -> torch.Tensor:
-        """The MTP head: trunk outputs hidden [T, H] at t and the tokens x[t+1] [T] -> [T, H] for `logits`, the guess
-        at x[t+2]; `state` is the head's own (`mtp.new_state`), stepped as `forward` steps the trunk's."""
+        """The MTP head: trunk outputs hidden [T, hidden_width] at t and the tokens x[t+1] [T] -> the head's output
+        [T, hidden_width], for `draft_logits` (the guess at x[t+2]) and for the next chained step; `state` is the
+        head's own (`mtp.new_state`), stepped as `forward` steps the trunk's."""
         eager = ctx is None
         ctx = ctx or StepContext.eager(state.length, next_ids.shape[0], next_ids.device)
         x = self.model.embed_tokens(next_ids)
@@ -253,4 +263,8 @@ class CausalLM(nn.Module):
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(self.model.head_input(hidden)).float()
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The MTP head's logits from its output (`draft`'s), through the trunk's LM head."""
+        return self.lm_head(self.mtp.head_input(out)).float()

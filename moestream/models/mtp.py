@@ -21,6 +21,8 @@ from moestream.models.base import DecoderLayer, ModelSpec, SequenceState
 
 
 class MTPHead(nn.Module):
+    marker = "mtp.fc.weight"  # the tensor that says a checkpoint's `mtp.*` head is in this layout
+
     def __init__(self, cfg: ModelConfig, spec: ModelSpec):
         super().__init__()
         h, eps, zc = cfg.hidden_size, cfg.rms_norm_eps, spec.zero_centered_norms
@@ -41,3 +43,11 @@ class MTPHead(nn.Module):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         residual = self.layers[0]((x, None), next_ids, rope, state.layers[0], ctx)
         return self.norm.after(*residual)[1]
+
+    def head_input(self, out: torch.Tensor) -> torch.Tensor:
+        return out  # normed already
+
+
+def head_class(model: nn.Module) -> type:
+    """The module of `model`'s MTP head: its own (`mtp_head`), else Qwen3-Next's layout."""
+    return model.mtp_head or MTPHead

@@ -32,7 +32,7 @@ def test_the_heads_static_steps_are_its_eager_forward():
         with torch.inference_mode():
             model, ids = llm.model, torch.tensor(llm.tokenizer.encode(PROMPT))
             hidden = model(ids, model.new_state(llm.dtype, llm.device))
-            want = model.logits(model.draft(hidden[:-1], ids[1:], model.mtp.new_state(llm.dtype, llm.device)))
+            want = model.draft_logits(model.draft(hidden[:-1], ids[1:], model.mtp.new_state(llm.dtype, llm.device)))
             state, got = llm.head.new_state(), []
             for at in range(0, len(ids) - 1, 3):  # 3 rows a step, then what is left
                 rows = ids[at + 1: at + 4].tolist()

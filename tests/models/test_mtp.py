@@ -28,7 +28,7 @@ def mtp_logits(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
     model = llm.model
     hidden = model(ids, model.new_state(llm.dtype, llm.device))
     drafted = model.draft(hidden[:-1], ids[1:], model.mtp.new_state(llm.dtype, llm.device))
-    return model.logits(drafted)
+    return model.draft_logits(drafted)
 
 
 def test_the_demo_models_mtp_head_equals_its_training_module(demo, tmp_path):

@@ -1,0 +1,69 @@
+"""MTP drafting with qwen4_exp's own head (hyper-connection streams in and out, QSA and PLE in the trunk): its static
+steps are its eager forward, and greedy generation with its drafts gives the plain tokens on every tier."""
+
+import pytest
+import torch
+
+from moestream.engine.drafting import HeadDrafts
+from moestream.engine.llm import LLM
+from moestream.sampling import SamplingParams
+from tests.engine.runs import prompt_of
+
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def _llm(tiny, device: str = "cpu", **options) -> LLM:
+    store = tiny.store("qwen4_exp", mtp=True, indexer_n_heads=8)  # PLE, and QSA past its budget
+    return LLM(store, device=device, dtype="float32" if device == "cpu" else "bfloat16", **options)
+
+
+def test_the_heads_static_steps_are_its_eager_forward(tiny):
+    llm = _llm(tiny, speculation="mtp", drafts=3)
+    try:
+        with torch.inference_mode():
+            model, ids = llm.model, torch.tensor(prompt_of(llm, 40))
+            streams = model(ids, model.new_state(llm.dtype, llm.device))
+            want = model.draft_logits(model.draft(streams[:-1], ids[1:], model.mtp.new_state(llm.dtype, llm.device)))
+            state, got = llm.head.new_state(), []
+            for at in range(0, len(ids) - 1, 3):  # 3 rows a step, then what is left
+                rows = ids[at + 1: at + 4].tolist()
+                got.append(llm.head.forward(rows, state, streams[at: at + len(rows)])[1])
+                state.advance(rows)
+        torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("tier", ["resident", "pool + host", "pool + disk"])
+def test_greedy_tokens_with_its_drafts_are_the_plain_ones(tiny, tier, monkeypatch):
+    """The head runs as it would, and its drafts are then swapped for the plain output with every third one wrong
+    (a random head's are rarely kept), so that steps keep all, some and none of them."""
+    greedy_with_oracle_drafts(tiny, "cpu", tier, monkeypatch)
+
+
+def greedy_with_oracle_drafts(tiny, device: str, tier: str, monkeypatch) -> list[tuple[int, bool]]:
+    """Asserts the plain tokens; returns the head's graphs."""
+    llm = _llm(tiny, device)
+    prompt = prompt_of(llm, 16)
+    try:
+        want = llm.generate([prompt], PARAMS)[0].token_ids
+        records = llm.provider.pool.stride * llm.provider.geometry.num_records
+    finally:
+        llm.close()
+    propose = HeadDrafts.propose
+
+    def oracle(drafts, tokens, k):
+        at, n = len(tokens) - len(prompt), len(propose(drafts, tokens, k))
+        return [t if (at + i) % 3 else (t + 1) % 256 for i, t in enumerate(want[at: at + n])]
+
+    monkeypatch.setattr(HeadDrafts, "propose", oracle)
+    options = {"resident": {}, "pool + host": dict(pool_gb=records / 4e9, host_gb=1.0),
+               "pool + disk": dict(pool_gb=records / 4e9, host_gb=0)}[tier]
+    llm = _llm(tiny, device, speculation="mtp", **options)
+    try:
+        assert llm.generate([prompt], PARAMS)[0].token_ids == want
+        spec, graphs = llm.stats()["speculation"], sorted(llm.head.graphs)
+    finally:
+        llm.close()
+    assert 0 < sum(spec["accepted"]) < sum(spec["proposed"]), spec
+    return graphs

@@ -1,0 +1,14 @@
+"""qwen4_exp's MTP head on CUDA (bf16): its steps are CUDA graphs per row count, and greedy tokens with its drafts
+are the plain ones, resident and with a small pool and the host tier."""
+
+import pytest
+
+from tests.engine.test_drafting_qwen4_exp import greedy_with_oracle_drafts
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("tier", ["resident", "pool + host"])
+def test_gpu_greedy_tokens_with_its_drafts_are_the_plain_ones(tiny, tier, monkeypatch):
+    graphs = greedy_with_oracle_drafts(tiny, "cuda", tier, monkeypatch)
+    assert graphs == [(rows, False) for rows in range(1, 6)], graphs
