@@ -29,18 +29,23 @@ def plain() -> list[int]:
 def test_the_heads_static_steps_are_its_eager_forward():
     llm = _llm(speculation="mtp", drafts=3)
     try:
-        with torch.inference_mode():
-            model, ids = llm.model, torch.tensor(llm.tokenizer.encode(PROMPT))
-            hidden = model(ids, model.new_state(llm.dtype, llm.device))
-            want = model.draft_logits(model.draft(hidden[:-1], ids[1:], model.mtp.new_state(llm.dtype, llm.device)))
-            state, got = llm.head.new_state(), []
-            for at in range(0, len(ids) - 1, 3):  # 3 rows a step, then what is left
-                rows = ids[at + 1: at + 4].tolist()
-                got.append(llm.head.forward(rows, state, hidden[at: at + len(rows)])[1])
-                state.advance(rows)
-        torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+        assert_static_steps_are_eager(llm, torch.tensor(llm.tokenizer.encode(PROMPT)))
     finally:
         llm.close()
+
+
+@torch.inference_mode()
+def assert_static_steps_are_eager(llm: LLM, ids: torch.Tensor) -> None:
+    """The head's static steps, 3 rows at a time, give the logits of its eager forward over the prompt."""
+    model = llm.model
+    hidden = model(ids, model.new_state(llm.dtype, llm.device))
+    want = model.draft_logits(model.draft(hidden[:-1], ids[1:], model.mtp.new_state(llm.dtype, llm.device)))
+    state, got = llm.head.new_state(), []
+    for at in range(0, len(ids) - 1, 3):
+        rows = ids[at + 1: at + 4].tolist()
+        got.append(llm.head.forward(rows, state, hidden[at: at + len(rows)])[1])
+        state.advance(rows)
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
 
 
 def _record_bytes() -> int:

@@ -8,6 +8,7 @@ from moestream.engine.drafting import HeadDrafts
 from moestream.engine.llm import LLM
 from moestream.sampling import SamplingParams
 from tests.engine.runs import prompt_of
+from tests.engine.test_drafting import assert_static_steps_are_eager
 
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -20,16 +21,7 @@ def _llm(tiny, device: str = "cpu", **options) -> LLM:
 def test_the_heads_static_steps_are_its_eager_forward(tiny):
     llm = _llm(tiny, speculation="mtp", drafts=3)
     try:
-        with torch.inference_mode():
-            model, ids = llm.model, torch.tensor(prompt_of(llm, 40))
-            streams = model(ids, model.new_state(llm.dtype, llm.device))
-            want = model.draft_logits(model.draft(streams[:-1], ids[1:], model.mtp.new_state(llm.dtype, llm.device)))
-            state, got = llm.head.new_state(), []
-            for at in range(0, len(ids) - 1, 3):  # 3 rows a step, then what is left
-                rows = ids[at + 1: at + 4].tolist()
-                got.append(llm.head.forward(rows, state, streams[at: at + len(rows)])[1])
-                state.advance(rows)
-        torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+        assert_static_steps_are_eager(llm, torch.tensor(prompt_of(llm, 40)))
     finally:
         llm.close()
 
