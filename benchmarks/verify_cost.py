@@ -1,9 +1,10 @@
 """What a verify step of k drafts (k+1 rows) costs against a one-row decode step, k = 1..MAX_DRAFTS, resident and
 with a 25% pool + host tier; and greedy decode with speculation on but every draft wrong (adaptive depth should
 turn drafts off) against speculation off. Random weights, so drafts are forced: the rows' cost does not depend on
-whether they are accepted.
+whether they are accepted. With `--mtp` the store has an MTP head, drafts come from it (the all-rejected run pays
+its steps too), and a head step's own cost is timed: what a draft costs beside the verify step that checks it.
 
-  python -m benchmarks.verify_cost OUT.json --geometry qwen3-30b --layers 8
+  python -m benchmarks.verify_cost OUT.json --geometry qwen3-30b --layers 8 [--mtp]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from benchmarks.synthetic import build
 from moestream.config import MAX_DRAFTS
 from moestream.engine import generate as gen
+from moestream.engine.drafting import HeadDrafts
 from moestream.engine.llm import LLM
 from moestream.engine.lookup import PromptLookup
 from moestream.experts.format import RecordLayout
@@ -40,6 +42,36 @@ def step_ms(llm: LLM, rows: int, context: int = 256, iters: int = 30) -> float:
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+def head_ms(llm: LLM, context: int = 256, iters: int = 30) -> float:
+    """Median ms of the MTP head's one-row static step after `context` positions of its own cache."""
+    model, state = llm.model, llm.head.new_state()
+    ids = torch.randint(0, llm.config.vocab_size, (context + 1,), device=llm.device)
+    hidden = torch.randn(context + 1, model.hidden_width, dtype=llm.dtype, device=llm.device)
+    with torch.inference_mode():
+        model.draft(hidden[:context], ids[:context], state)  # eager: advances the head's state
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        tic = time.perf_counter()
+        llm.head.forward(ids[context:].tolist(), state, hidden[context:])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - tic)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def reject_every_draft(spec: str, last: int):
+    """Make every draft one a random model's greedy run does not pick (the last ids); returns the undo."""
+    owner = HeadDrafts if spec == "mtp" else PromptLookup
+    original = owner.propose
+
+    def propose(self, *args):
+        n = len(original(self, *args)) if spec == "mtp" else args[-1]  # the head runs as it would; lookup drafts k
+        return [last - i for i in range(n)]
+
+    owner.propose = propose
+    return lambda: setattr(owner, "propose", original)
+
+
 def decode_tok_s(llm: LLM, tokens: int = 128) -> float:
     params, prompt = SamplingParams(max_tokens=tokens, ignore_eos=True), list(range(1000, 1064))
     best = 0.0
@@ -55,31 +87,33 @@ def main() -> None:
     p.add_argument("--geometry", default="qwen3-30b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--work", default="/tmp/verify-cost")
+    p.add_argument("--mtp", action="store_true", help="drafts from the store's MTP head (built with one)")
     args = p.parse_args()
-    path = os.path.join(args.work, f"{args.geometry}-{args.layers}")
+    spec = "mtp" if args.mtp else "lookup"
+    path = os.path.join(args.work, f"{args.geometry}-{args.layers}" + ("-mtp" if args.mtp else ""))
     # flash-next: a small n-gram table and Q4 records as holes (zero experts, computed like any), quick to write
     extra = dict(ngram_vocab_size_base=100_000, sparse=("q4",)) if "flash" in args.geometry else {}
     if not os.path.isfile(os.path.join(path, "manifest.json")):
-        build(path, args.geometry, layers=args.layers, **extra)
+        build(path, args.geometry, layers=args.layers, mtp=args.mtp, **extra)
     runs = []
     for mode in ("resident", "pool 25% + host"):
-        llm = LLM(path, speculation="lookup")  # drafts chosen per step, up to MAX_DRAFTS: every row count captured
+        llm = LLM(path, speculation=spec)  # drafts chosen per step, up to MAX_DRAFTS: every row count captured
         if mode != "resident":
             g = llm.store.manifest.geometry
             total = g.num_records * RecordLayout.build("q4", g.hidden_size, g.intermediate_size).stride / 1e9
             llm.close()
-            llm = LLM(path, speculation="lookup", pool_gb=0.25 * total * 1.0001, host_gb=total * 1.01)
+            llm = LLM(path, speculation=spec, pool_gb=0.25 * total * 1.0001, host_gb=total * 1.01)
         ms = {rows: step_ms(llm, rows) for rows in range(1, MAX_DRAFTS + 2)}
         run = {"geometry": args.geometry, "layers": args.layers, "mode": mode,
                "step_ms": ms, "relative": {k: ms[k + 1] / ms[1] for k in range(1, MAX_DRAFTS + 1)}}
-        # drafts a random model's greedy run does not pick (the last ids; `speculation` says how many were kept):
-        # speculation pays the rejected verify steps until its depth falls to 0
-        original, last = PromptLookup.propose, llm.config.vocab_size - 1
-        PromptLookup.propose = lambda self, k, last=last: [last - i for i in range(k)]
+        if args.mtp:
+            run["head_ms"] = head_ms(llm)
+        # speculation pays the rejected verify steps (`speculation` says how many were kept) until its depth falls to 0
+        undo = reject_every_draft(spec, llm.config.vocab_size - 1)
         llm.spec_stats = type(llm.spec_stats)()
         run["decode_tok_s_spec_all_rejected"] = decode_tok_s(llm)
         run["speculation"] = llm.spec_stats.as_dict()
-        PromptLookup.propose = original
+        undo()
         llm.engine_config = dataclasses.replace(llm.engine_config, speculation="off")
         run["decode_tok_s_spec_off"] = decode_tok_s(llm)
         run["graph_rows"] = sorted(llm.decoder.graphs)
