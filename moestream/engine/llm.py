@@ -82,7 +82,8 @@ class LLM:
         baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.model = load_model(self.store, self.device, self.dtype, cfg.ngram_tier, cfg.expert.host_gb * 1e9)
+        self.model = load_model(self.store, self.device, self.dtype, cfg.ngram_tier, cfg.expert.host_gb * 1e9,
+                                mtp_head=cfg.speculation == "mtp")
         if cfg.speculation == "mtp" and not hasattr(self.model, "mtp"):
             raise ConfigError(f"--spec mtp: this store's MTP head does not load (want one layer and "
                               f"{head_class(self.model).marker}); use --spec lookup")

@@ -17,19 +17,20 @@ from moestream.models.mtp import head_class
 
 
 def load_model(store: Store, device: torch.device, dtype: torch.dtype, ngram_tier: str = "auto",
-               host_reserved: float = 0.0) -> torch.nn.Module:
+               host_reserved: float = 0.0, mtp_head: bool = False) -> torch.nn.Module:
+    """`mtp_head`: build and load the store's MTP head too (`model.mtp`), where it has one in a layout we run."""
     cfg = store.model
     tensors = load_file(store.dense_path, device=str(device))
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
         head = head_class(model)
-        mtp = cfg.mtp_num_hidden_layers == 1 and head.marker in tensors
+        mtp = mtp_head and cfg.mtp_num_hidden_layers == 1 and head.marker in tensors
         if mtp:
             model.mtp = head(cfg, model.spec)
     state = {}
     for name in list(tensors):  # popped as converted, so a tensor and its converted copy are not both kept
         t = tensors.pop(name)
-        if name.startswith("mtp.") and not mtp:  # a head this engine does not draft with stays in the store
+        if name.startswith("mtp.") and not mtp:  # a head this engine does not draft with stays on the disk
             continue
         state[name] = t.to(dtype) if t.is_floating_point() else t
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:

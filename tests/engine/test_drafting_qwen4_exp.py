@@ -18,6 +18,16 @@ def _llm(tiny, device: str = "cpu", **options) -> LLM:
     return LLM(store, device=device, dtype="float32" if device == "cpu" else "bfloat16", **options)
 
 
+def test_the_head_is_loaded_only_to_draft(tiny):
+    """A store's MTP head stays on the disk unless --spec mtp asks for it: its weights would take GPU memory."""
+    for speculation in ("off", "mtp"):
+        llm = _llm(tiny, speculation=speculation)
+        try:
+            assert hasattr(llm.model, "mtp") == (speculation == "mtp")
+        finally:
+            llm.close()
+
+
 def test_the_heads_static_steps_are_its_eager_forward(tiny):
     llm = _llm(tiny, speculation="mtp", drafts=3)
     try:

@@ -17,7 +17,7 @@ TEXT = ("The module defines a new type, function, or method, which can be used t
 
 @pytest.fixture(scope="module")
 def demo():
-    llm = LLM(DEMO_STORE, device="cpu", dtype="float32")
+    llm = LLM(DEMO_STORE, device="cpu", dtype="float32", speculation="mtp")
     yield llm
     llm.close()
 
