@@ -27,36 +27,33 @@ from moestream.experts.format import RecordLayout
 from moestream.sampling import SamplingParams
 
 
-def step_ms(llm: LLM, rows: int, context: int = 256, iters: int = 30) -> float:
-    """Median ms of a static step of `rows` rows after a `context`-token prompt (graphs where captured)."""
-    state = llm.decoder.new_state()
-    ids = torch.randint(0, llm.config.vocab_size, (context + rows,)).tolist()
-    gen.prefill(llm.model, ids[:context], state, llm.engine_config.prefill_chunk, llm.device)
+def median_ms(fn, iters: int = 30) -> float:
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
         tic = time.perf_counter()
-        llm.decoder.forward(ids[context:], state)  # the state is not advanced: each writes the same rows
+        fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - tic)
     return 1e3 * sorted(times)[len(times) // 2]
 
 
-def head_ms(llm: LLM, context: int = 256, iters: int = 30) -> float:
+def step_ms(llm: LLM, rows: int, context: int = 256) -> float:
+    """Median ms of a static step of `rows` rows after a `context`-token prompt (graphs where captured)."""
+    state = llm.decoder.new_state()
+    ids = torch.randint(0, llm.config.vocab_size, (context + rows,)).tolist()
+    gen.prefill(llm.model, ids[:context], state, llm.engine_config.prefill_chunk, llm.device)
+    return median_ms(lambda: llm.decoder.forward(ids[context:], state))  # not advanced: each writes the same rows
+
+
+def head_ms(llm: LLM, context: int = 256) -> float:
     """Median ms of the MTP head's one-row static step after `context` positions of its own cache."""
     model, state = llm.model, llm.head.new_state()
     ids = torch.randint(0, llm.config.vocab_size, (context + 1,), device=llm.device)
     hidden = torch.randn(context + 1, model.hidden_width, dtype=llm.dtype, device=llm.device)
     with torch.inference_mode():
         model.draft(hidden[:context], ids[:context], state)  # eager: advances the head's state
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        tic = time.perf_counter()
-        llm.head.forward(ids[context:].tolist(), state, hidden[context:])
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - tic)
-    return 1e3 * sorted(times)[len(times) // 2]
+    return median_ms(lambda: llm.head.forward(ids[context:].tolist(), state, hidden[context:]))
 
 
 def reject_every_draft(spec: str, last: int):

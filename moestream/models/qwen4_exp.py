@@ -102,7 +102,18 @@ class HyperDecoderLayer(nn.Module):
         return streams, self.mlp(x, ctx), weights
 
 
-class HyperBackbone(nn.Module):
+class StreamsOut:
+    """A stack whose output is its hyper-connection streams (what an MTP head reads), mixed into one hidden state by
+    its `hyper_connection_mixer` only for the LM head."""
+
+    def end(self, residual: tuple) -> torch.Tensor:
+        return self.hyper_connection_mixer.hc_norm.after_inject(*residual)[0]  # the streams [T, hc * H]
+
+    def head_input(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.hyper_connection_mixer(streams)[1]
+
+
+class HyperBackbone(StreamsOut, nn.Module):
     def __init__(self, cfg: ModelConfig, spec: ModelSpec):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -115,14 +126,8 @@ class HyperBackbone(nn.Module):
     def begin(self, x: torch.Tensor) -> tuple:
         return x.repeat(1, self.streams), None, None  # every stream starts as the embedding
 
-    def end(self, residual: tuple) -> torch.Tensor:
-        return self.hyper_connection_mixer.hc_norm.after_inject(*residual)[0]  # the streams [T, hc * H]
 
-    def head_input(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.hyper_connection_mixer(streams)[1]
-
-
-class HyperMTPHead(nn.Module):
+class HyperMTPHead(StreamsOut, nn.Module):
     """qwen4_exp's MTP head (cherenkov.md §1.1; transformers skips `mtp.*`): from the trunk's streams s[t] and the
     token x[t+1], a guess at x[t+2].
 
@@ -156,11 +161,7 @@ class HyperMTPHead(nn.Module):
         embedded = self.fc_embedding(self.pre_fc_norm_embedding(next_embeds))
         normed = self.pre_fc_norm_hidden(hidden).view(rows * self.streams, -1)
         streams = (self.fc_hidden(normed).view(rows, self.streams, -1) + embedded[:, None]).flatten(1)
-        residual = self.layers[0]((streams, None, None), next_ids, rope, state.layers[0], ctx)
-        return self.hyper_connection_mixer.hc_norm.after_inject(*residual)[0]
-
-    def head_input(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.hyper_connection_mixer(streams)[1]
+        return self.end(self.layers[0]((streams, None, None), next_ids, rope, state.layers[0], ctx))
 
 
 class Model(CausalLM):
