@@ -2,7 +2,7 @@
 kernel by name with its launches a step, mean duration and the idle time after it (docs/performance.md, the
 resident decode step kernel by kernel). Graph replays are traced kernel by kernel.
 
-python -m benchmarks.probes.step_kernels STORE [--steps 16]
+python -m benchmarks.probes.step_kernels STORE [--steps 16] [--streams N]
 """
 
 from __future__ import annotations
@@ -44,12 +44,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--streams", type=int, default=1, help="sequences decoding together in the traced steps")
     args = p.parse_args()
     llm = LLM(args.store)
     llm.generate([[1, 2, 3, 4] * 4], SamplingParams(max_tokens=4, ignore_eos=True))  # compile and capture
-    llm._submit([5, 6, 7, 8] * 4, SamplingParams(max_tokens=args.steps + 4, ignore_eos=True))
-    for _ in range(2):  # the prompt, then a first decode step, outside the trace
+    for s in range(args.streams):
+        llm._submit([5 + s, 6, 7, 8] * 4, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True))
+    llm.step()
+    while len(llm.scheduler.running) < args.streams:  # the prompts, then a first decode step, outside the trace
         llm.step()
+    llm.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
