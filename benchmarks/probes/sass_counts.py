@@ -23,9 +23,11 @@ KERNELS = {
     "prefill-down": ("expert_mlp", "down_kernel",
                      dict(BM=256, BN=128, BK=64, SWAP=1, SPARSE=0)),
     "decode-gate-up": ("expert_gemv", "gate_up_gemv_kernel",
-                       dict(TOP_K=8, BN=8, BK=2048, SPAN=2048, AHEAD=0, PDL=1, INDIRECT=1, SELECT=0, TAIL1=0, TAIL2=0)),
+                       dict(TOP_K=8, BN=8, BK=2048, SPAN=2048, AHEAD=0, PDL=1, INDIRECT=1, SELECT=0, TAIL1=0, TAIL2=0,
+                            MISS_BITS=0, MISS_BK=0, MISS_SPAN=0, MISS_TAIL1=0, MISS_TAIL2=0)),
     "decode-down": ("expert_gemv", "down_gemv_kernel",
-                    dict(BN=16, BK=1024, SPAN=0, AHEAD=0, PDL=1, INDIRECT=1, SELECT=0, TAIL1=512, TAIL2=256)),
+                    dict(BN=16, BK=1024, SPAN=0, AHEAD=0, PDL=1, INDIRECT=1, SELECT=0, TAIL1=512, TAIL2=256,
+                         MISS_BITS=0, MISS_BK=0, MISS_SPAN=0, MISS_TAIL1=0, MISS_TAIL2=0)),
 }
 POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16"}  # the rest: *i64 tables
 

@@ -91,18 +91,21 @@ def _offsets(layout: RecordLayout) -> dict:
 def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, addr: torch.Tensor,
                   layout: RecordLayout, top_k: int, h: torch.Tensor | None = None,
                   cfg: TileConfig | None = None, records: torch.Tensor | None = None,
-                  record_bits: torch.Tensor | None = None) -> None:
+                  record_bits: torch.Tensor | None = None, miss_layout: RecordLayout | None = None) -> None:
     """Routing entry entries[i] computed with the record at addr[i] (or at addr[records[i]]: addr a layer's
     table by expert id), as GEMVs that never unpack a tile. x [T, H]; out [T * top_k, H]. With `record_bits` (by
-    expert id, as addr), only the entries whose record has `layout`'s bits."""
+    expert id, as addr), only the entries whose record has `layout`'s bits, and with `miss_layout` the others too:
+    in the same launches where the two precisions' tiles agree on the grid (else in launches of their own)."""
     from moestream.kernels.triton.expert_gemv import down_gemv_kernel, gate_up_gemv_kernel
 
     cfg = cfg or tile_config("decode", layout)
-    hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
-    # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's codes are placed as Q4 nibbles
-    placed = 4 if layout.bits == 3 else layout.bits
-    field_mask = 0 if layout.bits == 16 else ((1 << placed) - 1) << (23 - placed)
-    n, group = entries.shape[0], layout.group_size or 64
+    if miss_layout is not None and not _joins(cfg, layout, miss_layout):
+        for each in (layout, miss_layout):
+            launch_decode(x, out, entries, addr, each, top_k, h, None if each is miss_layout else cfg, records,
+                          record_bits)
+        return
+    hidden, inter = layout.hidden_size, layout.intermediate_size
+    n = entries.shape[0]
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device) if h is None else h
     indirect = records is not None
     records = records if indirect else entries  # unread unless indirect
@@ -111,16 +114,41 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
     # decode "stages": S = S - 1 chunks' loads in flight (up to 3) while one computes
     (warps_down, stages_down), ahead = cfg.down, min(cfg.num_stages - 1, 3)
     pdl = dependent(x)  # the down GEMV starts while gate/up runs
+    (gate_up, gate_up_named), (down, down_named) = _precision_args(layout, cfg, "", True)
+    (miss_gate_up, miss_gate_up_named), (miss_down, miss_down_named) = _precision_args(
+        miss_layout or layout, tile_config("decode", miss_layout or layout), "MISS_", miss_layout is not None)
+    group = layout.group_size or 64
     gate_up_gemv_kernel[(n, inter // cfg.bn_gate_up)](
-        x, h, entries, addr, records, record_bits, o["gate_w"], o["gate_h"], o["gate_s"], o["gate_b"], o["up_w"],
-        o["up_h"], o["up_s"], o["up_b"], field_mask, H=hidden, I=inter, TOP_K=top_k, BITS=layout.bits, GROUP=group,
-        BN=cfg.bn_gate_up, AHEAD=ahead, PDL=pdl, INDIRECT=indirect, SELECT=select,
-        **_chunks(hidden, cfg.bk_gate_up, cfg.masked_tail), num_warps=cfg.num_warps, num_stages=1)
+        x, h, entries, addr, records, record_bits, *gate_up, *miss_gate_up, H=hidden, I=inter, TOP_K=top_k,
+        GROUP=group, BN=cfg.bn_gate_up, AHEAD=ahead, PDL=pdl, INDIRECT=indirect, SELECT=select, **gate_up_named,
+        **miss_gate_up_named, num_warps=cfg.num_warps, num_stages=1)
     down_gemv_kernel[(n, hidden // cfg.bn_down)](
-        h, out, entries, addr, records, record_bits, o["down_w"], o["down_h"], o["down_s"], o["down_b"], field_mask,
-        H=hidden, I=inter, BITS=layout.bits, GROUP=group, BN=cfg.bn_down, AHEAD=min(stages_down - 1, 3), PDL=pdl,
-        INDIRECT=indirect, SELECT=select, **_chunks(inter, cfg.bk_down, cfg.masked_tail), num_warps=warps_down,
-        num_stages=1, **options(pdl))
+        h, out, entries, addr, records, record_bits, *down, *miss_down, H=hidden, I=inter, GROUP=group,
+        BN=cfg.bn_down, AHEAD=min(stages_down - 1, 3), PDL=pdl, INDIRECT=indirect, SELECT=select, **down_named,
+        **miss_down_named, num_warps=warps_down, num_stages=1, **options(pdl))
+
+
+def _joins(cfg: TileConfig, layout: RecordLayout, miss_layout: RecordLayout) -> bool:
+    """Whether the miss layout's decode tiles fit the base launch's grid, warps and stages."""
+    other = tile_config("decode", miss_layout)
+    return (cfg.bn_gate_up, cfg.bn_down, cfg.num_stages, cfg.down[1], layout.group_size) == \
+        (other.bn_gate_up, other.bn_down, other.num_stages, other.down[1], miss_layout.group_size)
+
+
+@functools.cache
+def _precision_args(layout: RecordLayout, cfg: TileConfig, prefix: str, used: bool) -> tuple:
+    """For the gate/up and down launches, one precision's (positional: field offsets and code mask; named with
+    `prefix`: bits and chunks). An unused miss slot has bits 0, so its code is never traced."""
+    o = _offsets(layout)
+    # where a code lands in the mantissa of 1.0 (see _codes_dot); Q3's codes are placed as Q4 nibbles
+    placed = 4 if layout.bits == 3 else layout.bits
+    field_mask = 0 if layout.bits == 16 else ((1 << placed) - 1) << (23 - placed)
+    fields = (("gate_w", "gate_h", "gate_s", "gate_b", "up_w", "up_h", "up_s", "up_b"), layout.hidden_size,
+              cfg.bk_gate_up), (("down_w", "down_h", "down_s", "down_b"), layout.intermediate_size, cfg.bk_down)
+    return tuple(([o[name] for name in names] + [field_mask],
+                  {prefix + key: value if used else 0 for key, value in
+                   {"BITS": layout.bits, **_chunks(k, bk, cfg.masked_tail)}.items()})
+                 for names, k, bk in fields)
 
 
 @functools.cache
@@ -324,5 +352,5 @@ def per_entry(x: torch.Tensor, part: AddressedExperts, top_k: int, out: torch.Te
         launch_decode(x, out, entries, table, part.layout, top_k, records=part.ids)
         return
     miss_layout, record_bits = part.low_bit
-    for each in (part.layout, miss_layout):
-        launch_decode(x, out, entries, table, each, top_k, records=part.ids, record_bits=record_bits)
+    launch_decode(x, out, entries, table, part.layout, top_k, records=part.ids, record_bits=record_bits,
+                  miss_layout=miss_layout)

@@ -255,43 +255,68 @@ def down_rows(hrow, base, n, off_dw, off_dh, off_ds, off_db, field_mask, I: tl.c
 
 @triton.jit
 def gate_up_gemv_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_gw, off_gh, off_gs,
-                        off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H: tl.constexpr, I: tl.constexpr,
+                        off_gb, off_uw, off_uh, off_us, off_ub, field_mask, moff_gw, moff_gh, moff_gs, moff_gb,
+                        moff_uw, moff_uh, moff_us, moff_ub, miss_field_mask, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
-                        INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
+                        INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr,
+                        MISS_BITS: tl.constexpr, MISS_BK: tl.constexpr, MISS_SPAN: tl.constexpr,
+                        MISS_TAIL1: tl.constexpr, MISS_TAIL2: tl.constexpr):
     """Decode, program i = routing entry e = entries[i]: h[i] = silu(x[e // TOP_K] @ gate.T) * (... @ up.T).
 
     PDL lets the down kernel start early (programmatic dependent launch), to read its weights while this one
     runs. INDIRECT: program i's record address is
     tile_addr[records[i]] (a layer's address table indexed by expert id). SELECT (mixed precision, INDIRECT): only
-    the entries whose record has bits_ptr[records[i]] == BITS; another launch computes the others. SPAN, AHEAD,
-    TAIL1/2: `gate_up_rows`."""
+    the entries whose record has bits_ptr[records[i]] == BITS; another launch computes the others, unless MISS_BITS
+    names their bits: then this launch computes them too, with the miss layout's offsets (`moff_*`, its field mask
+    and chunks). SPAN, AHEAD, TAIL1/2: `gate_up_rows`."""
     if PDL:
         gdc_launch_dependents()
     i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
-    if SELECT:
-        if tl.load(bits_ptr + record) != BITS:
-            return
     n = pid_n * BN + tl.arange(0, BN)
-    h = gate_up_rows(x_ptr + (e // TOP_K) * H, record_base(tile_addr_ptr, record), n, off_gw, off_gh, off_gs,
-                     off_gb, off_uw, off_uh, off_us, off_ub, field_mask, H, BITS, GROUP, BN, BK, SPAN, AHEAD, TAIL1,
-                     TAIL2)
+    x = x_ptr + (e // TOP_K) * H
+    if SELECT:
+        bits = tl.load(bits_ptr + record)
+        if MISS_BITS > 0:
+            if bits == MISS_BITS:
+                h = gate_up_rows(x, record_base(tile_addr_ptr, record), n, moff_gw, moff_gh, moff_gs, moff_gb, moff_uw,
+                                 moff_uh, moff_us, moff_ub, miss_field_mask, H, MISS_BITS, GROUP, BN, MISS_BK,
+                                 MISS_SPAN, AHEAD, MISS_TAIL1, MISS_TAIL2)
+                tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
+                return
+        else:
+            if bits != BITS:
+                return
+    h = gate_up_rows(x, record_base(tile_addr_ptr, record), n, off_gw, off_gh, off_gs, off_gb, off_uw, off_uh, off_us,
+                     off_ub, field_mask, H, BITS, GROUP, BN, BK, SPAN, AHEAD, TAIL1, TAIL2)
     tl.store(h_ptr + i * I + n, h.to(h_ptr.dtype.element_ty))
 
 
 @triton.jit
 def down_gemv_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, records_ptr, bits_ptr, off_dw, off_dh, off_ds,
-                     off_db, field_mask, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
-                     INDIRECT: tl.constexpr, SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
-    """Decode: y[entries[i]] = h[i] @ down.T (SPAN, AHEAD, INDIRECT, SELECT, TAIL1/2 as in gate_up_gemv_kernel).
-    Launched with PDL it may start before gate_up has finished: the first chunk's weights load before it waits
-    for h."""
+                     off_db, field_mask, moff_dw, moff_dh, moff_ds, moff_db, miss_field_mask, H: tl.constexpr,
+                     I: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     SPAN: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, INDIRECT: tl.constexpr,
+                     SELECT: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr, MISS_BITS: tl.constexpr,
+                     MISS_BK: tl.constexpr, MISS_SPAN: tl.constexpr, MISS_TAIL1: tl.constexpr,
+                     MISS_TAIL2: tl.constexpr):
+    """Decode: y[entries[i]] = h[i] @ down.T (SPAN, AHEAD, INDIRECT, SELECT, TAIL1/2, MISS_* as in
+    gate_up_gemv_kernel). Launched with PDL it may start before gate_up has finished: the first chunk's weights load
+    before it waits for h."""
     i, pid_n, e, record = _program(entries_ptr, records_ptr, INDIRECT)
-    if SELECT:
-        if tl.load(bits_ptr + record) != BITS:
-            return
     n = pid_n * BN + tl.arange(0, BN)
+    if SELECT:
+        bits = tl.load(bits_ptr + record)
+        if MISS_BITS > 0:
+            if bits == MISS_BITS:
+                y = down_rows(h_ptr + i * I, record_base(tile_addr_ptr, record), n, moff_dw, moff_dh, moff_ds,
+                              moff_db, miss_field_mask, I, MISS_BITS, GROUP, BN, MISS_BK, MISS_SPAN, AHEAD, MISS_TAIL1,
+                              MISS_TAIL2, PDL)
+                tl.store(y_ptr + e * H + n, y.to(y_ptr.dtype.element_ty))
+                return
+        else:
+            if bits != BITS:
+                return
     y = down_rows(h_ptr + i * I, record_base(tile_addr_ptr, record), n, off_dw, off_dh, off_ds, off_db, field_mask,
                   I, BITS, GROUP, BN, BK, SPAN, AHEAD, TAIL1, TAIL2, PDL)
     tl.store(y_ptr + e * H + n, y.to(y_ptr.dtype.element_ty))
