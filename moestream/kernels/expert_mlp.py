@@ -129,7 +129,7 @@ def launch_decode(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, add
 
 
 def _joins(cfg: TileConfig, layout: RecordLayout, miss_layout: RecordLayout) -> bool:
-    """Whether the miss layout's decode tiles fit the base launch's grid, warps and stages."""
+    """Whether the miss layout's decode tiles fit the base launch's grid and stages (its warps are the base's)."""
     other = tile_config("decode", miss_layout)
     return (cfg.bn_gate_up, cfg.bn_down, cfg.num_stages, cfg.down[1], layout.group_size) == \
         (other.bn_gate_up, other.bn_down, other.num_stages, other.down[1], miss_layout.group_size)
@@ -145,7 +145,7 @@ def _precision_args(layout: RecordLayout, cfg: TileConfig, prefix: str, used: bo
     field_mask = 0 if layout.bits == 16 else ((1 << placed) - 1) << (23 - placed)
     fields = (("gate_w", "gate_h", "gate_s", "gate_b", "up_w", "up_h", "up_s", "up_b"), layout.hidden_size,
               cfg.bk_gate_up), (("down_w", "down_h", "down_s", "down_b"), layout.intermediate_size, cfg.bk_down)
-    return tuple(([o[name] for name in names] + [field_mask],
+    return tuple((tuple(o[name] for name in names) + (field_mask,),
                   {prefix + key: value if used else 0 for key, value in
                    {"BITS": layout.bits, **_chunks(k, bk, cfg.masked_tail)}.items()})
                  for names, k, bk in fields)
