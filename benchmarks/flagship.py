@@ -101,7 +101,7 @@ def stage_run(args, state: dict) -> None:
             base = {"model": STORE, "engine": "moestream", "row": name, "commit": state["machine"]["commit"],
                     "meaning": meaning, "routing": routing, "pool": 0.0, "host_tier": host,
                     "memory": llm.stats()["memory"]}
-            runs = _measure(llm, base, per_token, dense, SCENARIOS)
+            runs = _measure(llm, base, per_token, dense, [s for s in SCENARIOS if s[0] in args.scenarios.split(",")])
             stats = llm.stats()
             used = [per for per in stats["layers"] if any(c["lookups"] for c in per.values())]  # not the MTP layer
             rates = hit_rates(used)
@@ -149,6 +149,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="results folder (default: results/flagship, or $OUT/flagship)")
     p.add_argument("--state", help="a flagship.json from an earlier call to continue")
     p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--scenarios", default="decode,prefill", help="run: which of decode 64 / prefill 4096")
     p.add_argument("--ngram-rows", type=int, default=1_000_000, help="rows per n-gram head")
     p.add_argument("--device", default="cuda")
     p.add_argument("--routing", help="a routing trace (from generate --trace-routing): its own store, "
