@@ -110,7 +110,7 @@ class FusedDrafts:
         self.draft_out = torch.zeros(1, head.model.hidden_width, dtype=head.dtype, device=device)  # the head's row
         self.token = torch.zeros(1, dtype=torch.long, device=device)  # the token the step feeds first
         self.owner: HeadDrafts | None = None  # the sequence whose next draft `draft` is
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # k -> its graph, the capacities it is over
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # k -> its graph, what it is over
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> [best k+1 | kept], chain's routing
 
     def step(self, drafts: HeadDrafts, tokens: list[int], state: SequenceState, k: int) -> list[int] | None:
@@ -130,8 +130,9 @@ class FusedDrafts:
             torch.argmax(caught[1], -1, out=self.draft)
             self.owner = drafts
         start = state.length
-        capacities = (trunk._make_room(state, start + k + 1), head._make_room(head_state, start + k + 1),
-                      trunk._grown(), head._grown())
+        # a graph is over these states' buffers: the same objects at the same capacities
+        over = (state, head_state, trunk._make_room(state, start + k + 1), head._make_room(head_state, start + k + 1),
+                trunk._grown(), head._grown())
         self.token.fill_(tokens[-1])
         trunk.position.fill_(start)
         if k not in self.outputs:
@@ -139,7 +140,8 @@ class FusedDrafts:
                                torch.zeros(max(k - 1, 0), *head._inputs(1, False).routed.shape, dtype=torch.long,
                                            device=trunk.device))
         captured = self.graphs.get(k)
-        if captured is not None and captured[1] == capacities:
+        if captured is not None and captured[1][0] is state and captured[1][1] is head_state \
+                and captured[1][2:] == over[2:]:
             captured[0].replay()
         else:  # run once (compiled, allocated), then captured for the next steps
             self._run(k, state, head_state, addresses)
@@ -147,7 +149,7 @@ class FusedDrafts:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     self._run(k, state, head_state, addresses)
-                self.graphs[k] = graph, capacities
+                self.graphs[k] = graph, over
         result, chain = self.outputs[k]
         if addresses is not None:  # the graph's lookups, counted as the decoders' replays count theirs
             for routed in (*chain, trunk._inputs(k + 1, False).routed, head._inputs(k + 1, False).routed):
