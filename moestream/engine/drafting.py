@@ -130,6 +130,9 @@ class FusedDrafts:
             torch.argmax(caught[1], -1, out=self.draft)
             self.owner = drafts
         start = state.length
+        if head_state.length != start:  # the head not level with the trunk: the separate steps sort it out
+            self.owner = None
+            return None
         # a graph is over these states' buffers: the same objects at the same capacities
         over = (state, head_state, trunk._make_room(state, start + k + 1), head._make_room(head_state, start + k + 1),
                 trunk._grown(), head._grown())
