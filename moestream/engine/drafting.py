@@ -133,15 +133,10 @@ class FusedDrafts:
         if head_state.length != start:  # the head not level with the trunk: the separate steps sort it out
             self.owner = None
             return None
-        # a graph is over these states' buffers: the same objects at the same capacities
-        over = (state, head_state, trunk._make_room(state, start + k + 1), head._make_room(head_state, start + k + 1),
-                trunk._grown(), head._grown())
+        over = self._over(state, head_state, start + k + 1)
         self.token.fill_(tokens[-1])
         trunk.position.fill_(start)
-        if k not in self.outputs:
-            self.outputs[k] = (torch.zeros(k + 2, dtype=torch.long, device=trunk.device),
-                               torch.zeros(max(k - 1, 0), *head._inputs(1, False).routed.shape, dtype=torch.long,
-                                           device=trunk.device))
+        result, chain = self._outputs(k)
         captured = self.graphs.get(k)
         if captured is not None and captured[1][0] is state and captured[1][1] is head_state \
                 and captured[1][2:] == over[2:]:
@@ -149,11 +144,7 @@ class FusedDrafts:
         else:  # run once (compiled, allocated), then captured for the next steps
             self._run(k, state, head_state, addresses)
             if cuda:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self._run(k, state, head_state, addresses)
-                self.graphs[k] = graph, over
-        result, chain = self.outputs[k]
+                self._capture(k, state, head_state, addresses, over)
         if addresses is not None:  # the graph's lookups, counted as the decoders' replays count theirs
             for routed in (*chain, trunk._inputs(k + 1, False).routed, head._inputs(k + 1, False).routed):
                 trunk.provider.note_addressed(routed)
@@ -162,6 +153,39 @@ class FusedDrafts:
         state.accept([tokens[-1], *out[:-1]], k + 1)
         head_state.advance(out)
         return out
+
+    def warm(self) -> None:
+        """Capture every k's step at load over the decoders' own states (the next `new_state` resets them), as the
+        decoders capture theirs (whose warm-up compiled every kernel it runs): no request pays for a capture."""
+        trunk, head = self.trunk, self.head
+        addresses = trunk.provider.address_table() if trunk.device.type == "cuda" and trunk.mode == "graph" else None
+        if addresses is None:
+            return
+        state, head_state = trunk.state, head.new_state()
+        with torch.inference_mode():
+            trunk.position.fill_(0)
+            for k in range(1, head.max_rows):
+                self._outputs(k)
+                self._capture(k, state, head_state, addresses, self._over(state, head_state, k + 1))
+
+    def _over(self, state: SequenceState, head_state: SequenceState, end: int) -> tuple:
+        """What a graph is over, with room up to `end`: these states' buffers (the same objects, capacities)."""
+        trunk, head = self.trunk, self.head
+        return (state, head_state, trunk._make_room(state, end), head._make_room(head_state, end), trunk._grown(),
+                head._grown())
+
+    def _outputs(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if k not in self.outputs:
+            device, routed = self.trunk.device, self.head._inputs(1, False).routed
+            self.outputs[k] = (torch.zeros(k + 2, dtype=torch.long, device=device),
+                               torch.zeros(max(k - 1, 0), *routed.shape, dtype=torch.long, device=device))
+        return self.outputs[k]
+
+    def _capture(self, k: int, state: SequenceState, head_state: SequenceState, addresses, over: tuple) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._run(k, state, head_state, addresses)
+        self.graphs[k] = graph, over
 
     def _run(self, k: int, state: SequenceState, head_state: SequenceState, addresses) -> None:
         trunk, head = self.trunk, self.head

@@ -184,6 +184,7 @@ class LLM:
             self.prefiller.warm()
             if self.head is not None:
                 self.head.warm()
+                self.fused.warm()
             if self.provider.pool.resident == self.provider.geometry.num_records:
                 # past the padded sizes, as a long prompt runs: row counts of both divisibilities Triton specializes
                 longer = torch.randint(0, self.config.vocab_size, (PADDED_SIZES[-1] + 16,), generator=generator)
