@@ -113,8 +113,9 @@ class FusedDrafts:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # k -> its graph, what it is over
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> [best k+1 | kept], chain's routing
 
-    def step(self, drafts: HeadDrafts, tokens: list[int], state: SequenceState, k: int) -> list[int] | None:
-        """One step of `k` drafts after `tokens` (the sequence so far; the trunk has not been fed the last) on the
+    def step(self, drafts: HeadDrafts, prompt: list[int], generated: list[int], state: SequenceState,
+             k: int) -> list[int] | None:
+        """One step of `k` drafts after `prompt` and `generated` (the trunk has not been fed the last token) on the
         decoders' own states: the tokens to append (the kept drafts and the trunk's next), the states advanced past
         them; None where the step cannot run as one (records on disk, eager decode, another state)."""
         trunk, head, head_state = self.trunk, self.head, drafts.state
@@ -123,7 +124,7 @@ class FusedDrafts:
         if (cuda and addresses is None) or not (trunk._own([state]) and head._own([head_state])):
             return None
         if self.owner is not drafts or drafts.unseen_rows:
-            caught = drafts.catch_up(tokens, skip=True)
+            caught = drafts.catch_up(prompt + generated, skip=True)  # the whole sequence only when priming
             if caught is None:
                 return None
             self.draft_out.copy_(caught[0])
@@ -134,7 +135,8 @@ class FusedDrafts:
             self.owner = None
             return None
         over = self._over(state, head_state, start + k + 1)
-        self.token.fill_(tokens[-1])
+        last = generated[-1]
+        self.token.fill_(last)
         trunk.position.fill_(start)
         result, chain = self._outputs(k)
         captured = self.graphs.get(k)
@@ -150,7 +152,7 @@ class FusedDrafts:
                 trunk.provider.note_addressed(routed)
         *best, kept = result.tolist()
         out = best[:kept + 1]
-        state.accept([tokens[-1], *out[:-1]], k + 1)
+        state.accept([last, *out[:-1]], k + 1)
         head_state.advance(out)
         return out
 

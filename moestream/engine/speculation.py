@@ -169,7 +169,7 @@ class Speculator:
         tokens to append), the states advanced; None where it cannot run so (then `propose` and a verify step)."""
         if self.fused is None or not sampler.greedy or (k := min(self.depth.next(), limit)) <= 0:
             return None
-        out = self.fused.step(self.head, self.prompt + generated, state, k)
+        out = self.fused.step(self.head, self.prompt, generated, state, k)
         return None if out is None else (k, out)
 
     def propose(self, generated: list[int], limit: int) -> list[int]:
