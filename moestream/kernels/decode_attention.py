@@ -17,6 +17,9 @@ ROWS_BLOCK_N, ROWS_SPLIT = 32, 64
 BLOCK_SPLIT = 256  # positions per split, before rounding (the split count is capped at MAX_SPLITS)
 MAX_SPLITS = 64
 COUNTS = 1 << 14  # (token, kv head) pairs a launch may count splits for
+# programs a launch aims at: a batch's short caches leave most splits empty, and a program per split then costs
+# more than the attention (16 rows of the 30B: 2048 programs)
+PROGRAMS = 512
 
 
 def splits(capacity: int, block_n: int = BLOCK_N, block_split: int = BLOCK_SPLIT) -> tuple[int, int]:
@@ -81,11 +84,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if gate is not None:
         assert gate.shape == out.shape and gate.stride(-1) == 1
     assert t * hkv <= COUNTS
-    kernels.decode_attention_split_kernel[(hkv, count, t)](
+    programs = min(count, triton.cdiv(PROGRAMS, hkv * t))  # each takes every programs-th split
+    kernels.decode_attention_split_kernel[(hkv, programs, t)](
         q, k_cache, v_cache, row_map, offsets, position, position if rows is None else rows, acc, m, l,
         arrival_counts("decode_attention", COUNTS, q.device), out if gate is None else gate, out,
         d if gate is None else gate.stride(1), hq * d if gate is None else gate.stride(0),
-        scale * math.log2(math.e), entries, HKV=hkv, G=g, D=d, GP=max(16, triton.next_power_of_2(g)),
+        scale * math.log2(math.e), entries, programs, HKV=hkv, G=g, D=d, GP=max(16, triton.next_power_of_2(g)),
         BLOCK_N=block_n, SPLIT_LEN=length, SPLITS=count, ROWS=rows is not None, MAP=mapped, OFFSETS=per_token,
         GATE=gate is not None, num_warps=4 if d <= 128 else 8)
     return out

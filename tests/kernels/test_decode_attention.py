@@ -81,20 +81,21 @@ def paged(caches: list[torch.Tensor], seed: int = 0) -> tuple[torch.Tensor, list
     return store, maps
 
 
-@pytest.mark.parametrize("hq,hkv,d,c", [(32, 4, 128, 8192), (16, 2, 256, 300), (8, 8, 64, 64)])
-def test_a_batch_of_tokens_over_their_own_paged_caches_has_each_alone_bits(hq, hkv, d, c):
-    """Five tokens, each over its own sequence's positions, scattered through one paged store by its row map, in
-    one launch (gated, the gate a strided view as the projection's is): each token's bits are those of its launch
-    alone over a cache in place, and equal the reference."""
+@pytest.mark.parametrize("hq,hkv,d,c,tokens", [(32, 4, 128, 8192, 5), (32, 4, 128, 8192, 16), (16, 2, 256, 300, 5),
+                                                (8, 8, 64, 64, 5)])
+def test_a_batch_of_tokens_over_their_own_paged_caches_has_each_alone_bits(hq, hkv, d, c, tokens):
+    """Tokens, each over its own sequence's positions, scattered through one paged store by its row map, in one
+    launch (gated, the gate a strided view as the projection's is; 16 tokens share programs among more splits): each
+    token's bits are those of its launch alone over a cache in place, and equal the reference."""
     pytest.importorskip("triton")
     from moestream.kernels import decode_attention
 
-    positions = [0, c - 1, c // 3, 5 % c, c // 2]
+    positions = ([0, c - 1, c // 3, 5 % c, c // 2] * 4)[:tokens]
     cases = [inputs(hq, hkv, d, c, p, seed=i) for i, p in enumerate(positions)]
     q = torch.cat([case[0] for case in cases])
     (k, maps), (v, _) = paged([case[1] for case in cases]), paged([case[2] for case in cases])
     pos = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
-    wide = torch.randn(5, hq, 2 * d, generator=torch.Generator().manual_seed(9)).to(DEVICE, DTYPE)
+    wide = torch.randn(tokens, hq, 2 * d, generator=torch.Generator().manual_seed(9)).to(DEVICE, DTYPE)
     gate = wide[..., d:]
     got = decode_attention.decode_attention(q, k, v, pos, d ** -0.5, gate=gate, maps=maps)
     for i, (qi, ki, vi, p) in enumerate(cases):

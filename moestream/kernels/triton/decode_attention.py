@@ -1,10 +1,10 @@
 """Decode attention, flash-decoding style: query tokens, each over a fixed-size KV cache of which positions
 0..position (read from a device tensor) are live, stored in place or at the rows of a paged cache's row map. A
-split kernel (grid (kv heads, SPLITS, tokens)) runs an online softmax over its slice of positions for the G query
-heads sharing a kv head; where one split holds every live position it writes the output itself, else the last
-live split to finish merges the live splits' partials (one launch, not a split and a combine kernel). The grid
-depends on the cache size alone, so one captured CUDA graph serves every step; a token's bits do not depend on how
-many share the launch."""
+split kernel (grid (kv heads, programs, tokens), each program taking every programs-th split) runs an online
+softmax over a split's slice of positions for the G query heads sharing a kv head; where one split holds every live
+position it writes the output itself, else the last live split to finish merges the live splits' partials (one
+launch, not a split and a combine kernel). The splits depend on the cache size alone, so one captured CUDA graph
+serves every step; a token's bits depend neither on how many share the launch nor on how splits share programs."""
 
 import triton
 import triton.language as tl
@@ -12,17 +12,15 @@ import triton.language as tl
 
 @triton.jit
 def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr,
-                                  counts_ptr, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, qk_scale, C,
+                                  counts_ptr, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, qk_scale, C, PROGRAMS,
                                   HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
                                   BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
                                   ROWS: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr, GATE: tl.constexpr):
-    """Partials of split s for kv head hk and query token t: acc [G, D] = sum_n p_n v_n, m = max score,
-    l = sum_n p_n, with scores in log2 units (qk_scale = scale * log2(e)). An empty split leaves m = -inf, l = 0,
-    acc = 0. With MAP, position p is stored at row map[p] (a paged cache), token t's map starting moff[t] elements
+    """Partials of each live split s for kv head hk and query token t: acc [G, D] = sum_n p_n v_n, m = max score,
+    l = sum_n p_n, with scores in log2 units (qk_scale = scale * log2(e)). With MAP, position p is stored at row map[p] (a paged cache), token t's map starting moff[t] elements
     past map_ptr with OFFSETS (a batch's rows, each its own sequence's map); else at row p. Token t's position is
     pos[t]. With ROWS, the positions are the C entries of rows_ptr (-1 for none) instead of 0..position."""
     hk = tl.program_id(0)
-    s = tl.program_id(1)
     t = tl.program_id(2)
     if OFFSETS:
         map_ptr += tl.load(moff_ptr + t)
@@ -32,6 +30,21 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_pt
     heads = hk * G + g
     q = tl.load(q_ptr + (t * HKV * G + heads[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0)
     end = C if ROWS else tl.minimum(tl.load(pos_ptr + t) + 1, C)
+    used = tl.cdiv(end, SPLIT_LEN)  # splits holding live positions
+    # program p takes splits p, p + PROGRAMS, ... below `used`: how splits share programs never changes a bit
+    for s in range(tl.program_id(1), used, PROGRAMS):
+        _split(q, k_ptr, v_ptr, map_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr, counts_ptr, gate_ptr, out_ptr, GATE_STRIDE,
+               GATE_ROW, qk_scale, C, s, end, used, t, hk, heads, g, d, HKV, G, D, GP, BLOCK_N, SPLIT_LEN, SPLITS,
+               ROWS, MAP, GATE)
+
+
+@triton.jit
+def _split(q, k_ptr, v_ptr, map_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr, counts_ptr, gate_ptr, out_ptr, GATE_STRIDE,
+           GATE_ROW, qk_scale, C, s, end, used, t, hk, heads, g, d, HKV: tl.constexpr, G: tl.constexpr,
+           D: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
+           ROWS: tl.constexpr, MAP: tl.constexpr, GATE: tl.constexpr):
+    """Split s's online softmax; one live split is the answer itself (what the merge of it with empty splits gave:
+    the same bits), else the last live split to finish merges them."""
     start = s * SPLIT_LEN
     stop = tl.minimum(start + SPLIT_LEN, end)
     m = tl.full((GP,), float("-inf"), tl.float32)
@@ -62,22 +75,18 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_pt
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
-    # splits past the last live position add nothing; one live split is the answer itself (what the merge of it
-    # with empty splits gave: the same bits)
-    used = tl.cdiv(end, SPLIT_LEN)  # splits holding live positions
-    if s < used:
-        if used == 1:
-            _finish(acc, l, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, HKV * G, D, GATE)
-        else:
-            base = (t * HKV * G + heads) * SPLITS
-            tl.store(acc_ptr + (base + s)[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
-            tl.store(m_ptr + base + s, m, mask=g < G)
-            tl.store(l_ptr + base + s, l, mask=g < G)
-            tl.debug_barrier()  # every thread's partials are stored before the count that releases them
-            if tl.atomic_add(counts_ptr + t * HKV + hk, 1, sem="acq_rel") == used - 1:
-                _merge(acc_ptr, m_ptr, l_ptr, base, used, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE,
-                       GATE_ROW, HKV * G, GP, D, GATE)
-                tl.store(counts_ptr + t * HKV + hk, 0)
+    if used == 1:
+        _finish(acc, l, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, HKV * G, D, GATE)
+    else:
+        base = (t * HKV * G + heads) * SPLITS
+        tl.store(acc_ptr + (base + s)[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+        tl.store(m_ptr + base + s, m, mask=g < G)
+        tl.store(l_ptr + base + s, l, mask=g < G)
+        tl.debug_barrier()  # every thread's partials are stored before the count that releases them
+        if tl.atomic_add(counts_ptr + t * HKV + hk, 1, sem="acq_rel") == used - 1:
+            _merge(acc_ptr, m_ptr, l_ptr, base, used, t, heads, d, g < G, gate_ptr, out_ptr, GATE_STRIDE,
+                   GATE_ROW, HKV * G, GP, D, GATE)
+            tl.store(counts_ptr + t * HKV + hk, 0)
 
 
 @triton.jit
