@@ -17,9 +17,10 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_pt
                                   BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
                                   ROWS: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr, GATE: tl.constexpr):
     """Partials of each live split s for kv head hk and query token t: acc [G, D] = sum_n p_n v_n, m = max score,
-    l = sum_n p_n, with scores in log2 units (qk_scale = scale * log2(e)). With MAP, position p is stored at row map[p] (a paged cache), token t's map starting moff[t] elements
-    past map_ptr with OFFSETS (a batch's rows, each its own sequence's map); else at row p. Token t's position is
-    pos[t]. With ROWS, the positions are the C entries of rows_ptr (-1 for none) instead of 0..position."""
+    l = sum_n p_n, with scores in log2 units (qk_scale = scale * log2(e)). With MAP, position p is stored at row
+    map[p] (a paged cache), token t's map starting moff[t] elements past map_ptr with OFFSETS (a batch's rows, each
+    its own sequence's map); else at row p. Token t's position is pos[t]. With ROWS, the positions are the C entries
+    of rows_ptr (-1 for none) instead of 0..position. Program p takes splits p, p + PROGRAMS, ..."""
     hk = tl.program_id(0)
     t = tl.program_id(2)
     if OFFSETS:
