@@ -1,6 +1,5 @@
 """verify_cost's all-rejected run: every draft becomes one the greedy run does not pick, from prompt lookup or after
-the MTP head ran as it would (its logits replaced on the device, so the fused step's drafts too), and the undo puts the
-drafter back."""
+the MTP head ran as it would (its logits replaced), and the undo puts the drafter back."""
 
 import pytest
 

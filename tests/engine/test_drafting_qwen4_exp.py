@@ -45,7 +45,7 @@ def test_greedy_tokens_with_its_drafts_are_the_plain_ones(tiny, tier, monkeypatc
 
 def greedy_with_oracle_drafts(tiny, device: str, tier: str, monkeypatch) -> list[tuple[int, bool]]:
     """Asserts the plain tokens; returns the head's graphs. The oracle is device work (a row at position p guesses
-    x[p+2] from a table), so it runs inside captured steps, the whole fused step's (drafting.py) included."""
+    x[p+2] from a table), so it runs inside captured steps."""
     llm = _llm(tiny, device)
     prompt = prompt_of(llm, 16)
     try:
