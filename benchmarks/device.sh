@@ -5,7 +5,8 @@
 # stages that need the stores wait). Results go under $OUT, packed at the end into $OUT/results.tgz. Tuned tiles
 # stay in $OUT/kernels/expert_mlp.json: commit them by hand. Name the commit sent with MOESTREAM_COMMIT=...
 set -uo pipefail
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+SITE="${PYTHONPATH:-}"  # wheels carried to the machine (/tmp/site), kept behind each tree
+export PYTHONPATH="$PWD${SITE:+:$SITE}" PYTHONUNBUFFERED=1
 export MOESTREAM_BENCH_DIR="${MOESTREAM_BENCH_DIR:-/tmp/moestream-bench}"
 WORK="$MOESTREAM_BENCH_DIR"
 OUT="${OUT:-$WORK/out}"
@@ -20,6 +21,11 @@ suite() {  # suite SECONDS STAGE ARGS...: the state is carried in $STATE between
   local state=(); [ -f "$STATE" ] && state=(--state "$STATE")
   timeout "$limit" python -m benchmarks.suite "$@" --work "$WORK" --out "$OUT/suite" "${state[@]}" ${SUITE_ARGS:-}
   mkdir -p "$(dirname "$STATE")" && cp "$OUT/suite/suite.json" "$STATE"
+}
+base_tree() {  # the tree at .device/base.tgz (`git archive BASE moestream ':!moestream/demo_model'`) in /tmp/base,
+  # with this checkout's benchmarks (a probe newer than BASE runs BASE's engine) and demo model
+  [ -d /tmp/base/moestream ] || { mkdir -p /tmp/base && tar xzf .device/base.tgz -C /tmp/base; }
+  rm -rf /tmp/base/benchmarks && cp -r benchmarks /tmp/base/ && ln -sfn "$PWD/moestream/demo_model" /tmp/base/moestream/demo_model
 }
 e2e() {  # e2e SECONDS LOG ARGS...: the end-to-end probe on the 30B store (E2E_ARGS adds options)
   local limit=$1 log=$2; shift 2
@@ -83,19 +89,37 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
     ab-fn4)  # the 4-layer Flash-Next slice decoded by the tree at .device/base.tgz and by this one, interleaved
       [ -f "$WORK/fn4/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn4" --geometry qwen3.8-flash-next \
         --layers 4 --sparse q4 --ngram-rows 1000000 > "$OUT/fn4.log" 2>&1
-      mkdir -p /tmp/base && tar xzf .device/base.tgz -C /tmp/base
+      base_tree
       for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do  # python -m imports from the working directory first
-        (cd "$tree" && PYTHONPATH="$tree" timeout 150 python -m benchmarks.probes.flash_next "$WORK/fn4" \
+        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 150 python -m benchmarks.probes.flash_next "$WORK/fn4" \
           --configs graph --out "$OUT/ab-fn4-$(basename "$tree").jsonl" 2>&1 | grep -o '"prompt".*')
       done ;;
     ab-prefill)  # resident prefill 512/4096 of a 12-layer 30B slice by the tree at .device/base.tgz and by this one,
                  # interleaved (`git archive BASE moestream ':!moestream/demo_model' | gzip > .device/base.tgz`)
       [ -f "$WORK/q12/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
 build('$WORK/q12', 'qwen3-30b', layers=12, sparse=('q4',))" > "$OUT/q12.log" 2>&1
-      mkdir -p /tmp/base && tar xzf .device/base.tgz -C /tmp/base && cp -r benchmarks /tmp/base/
+      base_tree
       for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
-        (cd "$tree" && PYTHONPATH="$tree" timeout 120 python -m benchmarks.probes.e2e "$WORK/q12" --prefill --fracs 1.0 \
+        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 120 python -m benchmarks.probes.e2e "$WORK/q12" --prefill --fracs 1.0 \
           --warm --no-profile 2>&1 | grep -i "prefill" | sed "s|^|$(basename "$tree"): |" | tee -a "$OUT/ab-prefill.log")
+      done ;;
+    ab-batching)  # 30B resident, 1 and 16 streams, by the tree at .device/base.tgz and by this one, interleaved
+      [ -f "$WORK/q30s/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
+build('$WORK/q30s', 'qwen3-30b', sparse=('q4',))" > "$OUT/q30s.log" 2>&1
+      base_tree
+      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
+        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 120 python -m benchmarks.batching "$WORK/q30s" /tmp/ab.json \
+          --streams 1,16 ${BATCH_ARGS:-} > /dev/null 2>&1 && python -c "import json; [print('$(basename "$tree")', \
+r['streams'], round(r['step_ms'], 3), round(r['vs_one_stream'], 2)) for r in json.load(open('/tmp/ab.json'))['rows']]" \
+          | tee -a "$OUT/ab-batching.log")
+      done ;;
+    ab-mixed)  # Q4 with Q2 misses on a 12-layer Flash-Next slice (25% pool + host), base tree and this one, interleaved
+      [ -f "$WORK/fn12/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn12" --geometry qwen3.8-flash-next \
+        --layers 12 --ngram-rows 1000000 --precisions q4,q2 --sparse q4 > "$OUT/fn12.log" 2>&1
+      base_tree
+      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
+        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 120 python -m benchmarks.probes.mixed_decode "$WORK/fn12" \
+          --tag "$(basename "$tree")" 2>&1 | grep '"tag"' | tee -a "$OUT/ab-mixed.log")
       done ;;
     gemv) timeout 120 python -m benchmarks.probes.gemv 2>&1 | tee "$OUT/gemv.log" ;;
     e2e) e2e 300 e2e --decode --prefill ;;
