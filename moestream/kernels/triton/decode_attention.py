@@ -35,13 +35,13 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_pt
     # program p takes splits p, p + PROGRAMS, ... below `used`: how splits share programs never changes a bit
     for s in range(tl.program_id(1), used, PROGRAMS):
         _split(q, k_ptr, v_ptr, map_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr, counts_ptr, gate_ptr, out_ptr, GATE_STRIDE,
-               GATE_ROW, qk_scale, C, s, end, used, t, hk, heads, g, d, HKV, G, D, GP, BLOCK_N, SPLIT_LEN, SPLITS,
+               GATE_ROW, qk_scale, s, end, used, t, hk, heads, g, d, HKV, G, D, GP, BLOCK_N, SPLIT_LEN, SPLITS,
                ROWS, MAP, GATE)
 
 
 @triton.jit
 def _split(q, k_ptr, v_ptr, map_ptr, rows_ptr, acc_ptr, m_ptr, l_ptr, counts_ptr, gate_ptr, out_ptr, GATE_STRIDE,
-           GATE_ROW, qk_scale, C, s, end, used, t, hk, heads, g, d, HKV: tl.constexpr, G: tl.constexpr,
+           GATE_ROW, qk_scale, s, end, used, t, hk, heads, g, d, HKV: tl.constexpr, G: tl.constexpr,
            D: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
            ROWS: tl.constexpr, MAP: tl.constexpr, GATE: tl.constexpr):
     """Split s's online softmax; one live split is the answer itself (what the merge of it with empty splits gave:
