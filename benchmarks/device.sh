@@ -22,10 +22,10 @@ suite() {  # suite SECONDS STAGE ARGS...: the state is carried in $STATE between
   timeout "$limit" python -m benchmarks.suite "$@" --work "$WORK" --out "$OUT/suite" "${state[@]}" ${SUITE_ARGS:-}
   mkdir -p "$(dirname "$STATE")" && cp "$OUT/suite/suite.json" "$STATE"
 }
-base_tree() {  # the tree at .device/base.tgz (`git archive BASE moestream ':!moestream/demo_model'`) in /tmp/base,
-  # with this checkout's benchmarks (a probe newer than BASE runs BASE's engine) and demo model
-  [ -d /tmp/base/moestream ] || { mkdir -p /tmp/base && tar xzf .device/base.tgz -C /tmp/base; }
-  rm -rf /tmp/base/benchmarks && cp -r benchmarks /tmp/base/ && ln -sfn "$PWD/moestream/demo_model" /tmp/base/moestream/demo_model
+base_tree() {  # BASE_TGZ (default .device/base.tgz: `git archive BASE moestream ':!moestream/demo_model'`) in
+  # /tmp/base, made anew each stage (two stages may A/B two bases), with this checkout's benchmarks and demo model
+  rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf "${BASE_TGZ:-.device/base.tgz}" -C /tmp/base
+  cp -r benchmarks /tmp/base/ && ln -sfn "$PWD/moestream/demo_model" /tmp/base/moestream/demo_model
 }
 e2e() {  # e2e SECONDS LOG ARGS...: the end-to-end probe on the 30B store (E2E_ARGS adds options)
   local limit=$1 log=$2; shift 2
