@@ -282,7 +282,7 @@ class LLM:
         """One engine step (engine/scheduler.py): prompts admitted and prefilled, a token for each running
         sequence; when it fails, every request in flight ends with it. The server's engine thread drives it."""
         try:
-            with self.prefiller.stepping():
+            with self.prefiller.stepping(self.scheduler.prompts):
                 self.scheduler.step()
         except BaseException:
             self.scheduler.fail_all()

@@ -165,10 +165,12 @@ class Prefiller:
             yield self.side
 
     @contextlib.contextmanager
-    def stepping(self):
-        """Run an engine step on the high-priority stream, so that its kernels start ahead of a replay aside (only
-        while prompts can replay: a suite run with every step on it had its 25% pool rows ~45% lower, not traced)."""
-        if not (self.graphs_on and self.provider.placed_prefill(PADDED_SIZES[-1])):
+    def stepping(self, prompts: bool):
+        """Run an engine step on the high-priority stream, so that its kernels start ahead of a replay aside: only
+        while one is in flight or the step has `prompts` to prefill, and prompts can replay (a suite run with every
+        step on it had its 25% pool rows ~45% lower; a resident step pays two cross-stream waits)."""
+        if not ((prompts or self.pending is not None) and self.graphs_on
+                and self.provider.placed_prefill(PADDED_SIZES[-1])):
             yield
             return
         current = torch.cuda.current_stream(self.device)

@@ -78,6 +78,11 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
+    @property
+    def prompts(self) -> bool:
+        """Whether a prompt waits or is being prefilled (a step may launch its forward)."""
+        return bool(self.waiting or self.prefilling)
+
     def rows_in_use(self) -> int:
         """Positions the sequences in slots hold (each a row of every attention layer's cache)."""
         held = [*self.running, *([self.prefilling] if self.prefilling else [])]
