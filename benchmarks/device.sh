@@ -121,6 +121,14 @@ r['streams'], round(r['step_ms'], 3), round(r['vs_one_stream'], 2)) for r in jso
         (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 120 python -m benchmarks.probes.mixed_decode "$WORK/fn12" \
           --tag "$(basename "$tree")" 2>&1 | grep '"tag"' | tee -a "$OUT/ab-mixed.log")
       done ;;
+    ab-speculation)  # the demo model's speculation table (benchmarks/speculation.py) by the base tree and this one
+      base_tree
+      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
+        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 150 python -m benchmarks.speculation /tmp/spec.json \
+          > /dev/null 2>&1 && python -c "import json; [print('$(basename "$tree")', r['mode'], '|', r['speculation'], \
+r['task'], round(r['decode_tok_s']), round(r['speed_up'], 2)) for r in json.load(open('/tmp/spec.json'))]" \
+          | tee -a "$OUT/ab-speculation.log")
+      done ;;
     gemv) timeout 120 python -m benchmarks.probes.gemv 2>&1 | tee "$OUT/gemv.log" ;;
     e2e) e2e 300 e2e --decode --prefill ;;
     decode) e2e 200 decode --decode --profile ;;
