@@ -20,7 +20,7 @@ import torch
 from benchmarks.synthetic import build
 from moestream.config import MAX_DRAFTS
 from moestream.engine import generate as gen
-from moestream.engine.drafting import HeadDecoder
+from moestream.engine.drafting import HeadDrafts
 from moestream.engine.llm import LLM
 from moestream.engine.lookup import PromptLookup
 from moestream.experts.format import RecordLayout
@@ -57,22 +57,16 @@ def head_ms(llm: LLM, context: int = 256) -> float:
 
 
 def reject_every_draft(spec: str, last: int):
-    """Make every draft one a random model's greedy run does not pick (the last id); returns the undo. The head
-    runs as it would and its logits then point at `last`."""
-    if spec == "mtp":
-        owner, name, original = HeadDecoder, "_run", HeadDecoder._run
+    """Make every draft one a random model's greedy run does not pick (the last ids); returns the undo."""
+    owner = HeadDrafts if spec == "mtp" else PromptLookup
+    original = owner.propose
 
-        def replaced(self, *args, **options):
-            hidden, logits = original(self, *args, **options)
-            return hidden, torch.zeros_like(logits).index_fill_(-1, torch.tensor([last], device=logits.device), 1.0)
-    else:
-        owner, name, original = PromptLookup, "propose", PromptLookup.propose
+    def propose(self, *args):
+        n = len(original(self, *args)) if spec == "mtp" else args[-1]  # the head runs as it would; lookup drafts k
+        return [last - i for i in range(n)]
 
-        def replaced(self, k):
-            return [last - i for i in range(k)]
-
-    setattr(owner, name, replaced)
-    return lambda: setattr(owner, name, original)
+    owner.propose = propose
+    return lambda: setattr(owner, "propose", original)
 
 
 def decode_tok_s(llm: LLM, tokens: int = 128) -> float:
