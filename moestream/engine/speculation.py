@@ -96,7 +96,8 @@ class Depth:
     a_1...a_k over the measured cost of a (k+1)-row step, with a_i the recent acceptance of draft i given draft i-1
     kept (per position: an MTP head's chained drafts are kept far less often than its first). It falls to 0 when
     drafts stop paying, and tries one draft after `probe` plain steps to notice when they pay again, waiting twice
-    as long after each probe that did not make them pay (up to 32x)."""
+    as long after each probe that did not make them pay (up to 32x). Drafting, it tries one draft more every
+    `probe` steps: else a position judged unlucky early is never judged again, and the depth stays below its best."""
 
     def __init__(self, max_drafts: int, fixed: int | None = None, decay: float = 0.9, probe: int = 32,
                  cost_prior: float = 0.1):
@@ -106,6 +107,7 @@ class Depth:
         self.cost = {k: 1.0 + cost_prior * k for k in range(max_drafts + 1)}  # relative to a 1-row step
         self.measured: dict[int, float] = {}  # depth -> smoothed seconds
         self.since_drafts, self.wait = 0, probe
+        self.since_deeper = 0  # steps at a depth > 0 since one draft more was tried
 
     def update(self, drafts: int, kept: int, seconds: float) -> None:
         if drafts:
@@ -140,8 +142,12 @@ class Depth:
         if self.fixed is not None:
             return self.fixed
         best = self._best()
-        if best == 0 and self.max_drafts and self.since_drafts >= self.wait:
-            return 1
+        if best == 0:
+            return 1 if self.max_drafts and self.since_drafts >= self.wait else 0
+        self.since_deeper += 1
+        if best < self.max_drafts and self.since_deeper >= self.probe:
+            self.since_deeper = 0
+            return best + 1
         return best
 
 

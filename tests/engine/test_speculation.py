@@ -1,6 +1,8 @@
 """Speculative decoding's acceptance keeps greedy tokens and the sampler's distribution; adaptive depth turns
 drafts off when they stop paying and back on when they pay."""
 
+import random
+
 import pytest
 import torch
 
@@ -102,15 +104,26 @@ def test_probes_back_off_while_kept_drafts_cost_more_than_they_yield():
 
 def test_depth_stops_where_chained_drafts_stop_paying():
     """An MTP head's first draft kept 9 times in 10, the drafts chained after it 2 in 10: one draft pays, more
-    do not, at rows costing 30% each."""
+    do not, at rows costing 30% each (a deeper draft is only tried now and then)."""
+    rng = random.Random(0)
+
+    def kept(k):
+        return next((i for i in range(k) if rng.random() >= (0.9 if i == 0 else 0.2)), k)
+
+    chosen = _drive(Depth(max_drafts=4), 400, kept, lambda k: 1.0 + 0.3 * k)
+    assert chosen[-100:].count(1) >= 90 and max(chosen[-100:]) == 2
     depth = Depth(max_drafts=4)
-    depth.update(0, 0, 1.0)
-    for i in range(60):
-        k = depth.next()
-        kept = 0 if i % 10 == 0 else 1 + (k > 1 and i % 5 == 1)
-        depth.update(k, min(kept, k), 1.0 + 0.3 * k)
-    assert depth.next() == 1
+    _drive(depth, 400, kept, lambda k: 1.0 + 0.3 * k)
     assert depth.expected_tokens(1) > 1.8 and depth.expected_tokens(2) < depth.expected_tokens(1) + 0.4
+
+
+def test_a_deeper_draft_is_tried_after_an_unlucky_start():
+    """Every draft kept but the second, for the first 20 steps: at rows costing 10% each the depth still reaches 4
+    (judged once unlucky, never judged again, it stayed at 1)."""
+    step = iter(range(10 ** 6))
+    chosen = _drive(Depth(max_drafts=4), 400, lambda k: k if next(step) >= 20 else min(k, 1),
+                    lambda k: 1.0 + 0.1 * k)
+    assert chosen[-50:].count(4) >= 45
 
 
 def test_stats_count_per_draft_position():
