@@ -114,7 +114,7 @@ def test_depth_stops_where_chained_drafts_stop_paying():
     depth = Depth(max_drafts=4)
     chosen = _drive(depth, 400, kept, lambda k: 1.0 + 0.3 * k)
     assert chosen[-100:].count(1) >= 90 and max(chosen[-100:]) == 2
-    assert depth.expected_tokens(1) > 1.8 and depth.expected_tokens(2) < depth.expected_tokens(1) + 0.4
+    assert depth.expected_tokens(1) > 1.8
 
 
 def test_a_deeper_draft_is_tried_after_an_unlucky_start():
