@@ -1,5 +1,6 @@
-"""Launching the n-gram row gather: one launch, no host synchronisation, so it can sit in a CUDA graph (the table's
-address is baked into the graph; the ids are read on the device at each replay)."""
+"""Launching PLE's n-gram kernels, the row ids' hashing and the row gather: one launch each, no host synchronisation,
+so they can sit in a CUDA graph (the table's address is baked into the graph; the ids are read on the device at
+each replay)."""
 
 from __future__ import annotations
 
@@ -26,4 +27,21 @@ def ngram_rows(table: torch.Tensor, ids: torch.Tensor, layout: NgramLayout, dtyp
                                            DIM=layout.dim, Q4=layout.precision == "q4",
                                            GROUP=max(layout.group_size, 1), BLOCK=triton.next_power_of_2(layout.dim),
                                            num_warps=4 if layout.dim >= 1024 else 1)
+    return out
+
+
+def ngram_ids(ids: torch.Tensor, context: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor,
+              offsets: torch.Tensor, heads_per_ngram: int, eos: int) -> torch.Tensor:
+    """reference.ngram_ids in one launch, a program a token: ids [T], context [n - 1] int64 on one device ->
+    [T, heads] int64."""
+    from moestream.kernels.triton.ngram_rows import ngram_ids_kernel
+
+    n, heads = multipliers.shape[0], sizes.shape[0]
+    assert context.shape[0] == n - 1 and heads == (n - 1) * heads_per_ngram and multipliers.dtype == torch.int64
+    out = torch.empty(ids.shape[0], heads, dtype=torch.int64, device=ids.device)
+    if ids.shape[0]:
+        ngram_ids_kernel[(ids.shape[0],)](ids.contiguous(), context.contiguous(), multipliers, sizes, offsets, out,
+                                          eos, C=n - 1, HPN=heads_per_ngram, HEADS=heads,
+                                          N_BLOCK=triton.next_power_of_2(n), H_BLOCK=triton.next_power_of_2(heads),
+                                          num_warps=1)
     return out

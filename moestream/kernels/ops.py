@@ -195,6 +195,17 @@ def ngram_rows(table: torch.Tensor, ids: torch.Tensor, layout: NgramLayout, dtyp
     return reference.ngram_rows(table, ids, layout, dtype)
 
 
+def ngram_ids(ids: torch.Tensor, context: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor,
+              offsets: torch.Tensor, heads_per_ngram: int, eos: int) -> torch.Tensor:
+    """PLE's hashed n-gram row ids [T, heads] of ids [T] after `context` (reference.ngram_ids); the Triton version
+    is one launch (the torch ops are ~45 a PLE layer)."""
+    if use_triton(ids.device):
+        from moestream.kernels import ngram_rows as kernel
+
+        return kernel.ngram_ids(ids, context, multipliers, sizes, offsets, heads_per_ngram, eos)
+    return reference.ngram_ids(ids, context, multipliers, sizes, offsets, heads_per_ngram, eos)
+
+
 def deltanet_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
                   A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, activation: str,
                   conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

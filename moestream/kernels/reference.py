@@ -116,6 +116,36 @@ def expert_group(x: torch.Tensor, buffer: torch.Tensor, slots: list[int], layout
             out[flat] = (F.silu(rows @ gate.T) * (rows @ up.T)) @ down.T
 
 
+def shift_within_segments(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
+    """history [L] ids -> [L]: the id `shift` places back, or EOS where that crosses an EOS or the start."""
+    if shift == 0:
+        return history
+    positions = torch.arange(history.shape[0], device=history.device)
+    eos_at = torch.where(history == eos, positions, -1)
+    last_eos_before = F.pad(torch.cummax(eos_at, dim=0).values[:-1], (1, 0), value=-1)
+    # valid when no EOS lies in [p - shift, p - 1] and p - shift >= 0
+    valid = (positions - (last_eos_before + 1) >= shift) & (positions >= shift)
+    shifted = history[(positions - shift).clamp_min(0)]
+    return torch.where(valid, shifted, torch.full_like(history, eos))
+
+
+def ngram_ids(ids: torch.Tensor, context: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor,
+              offsets: torch.Tensor, heads_per_ngram: int, eos: int) -> torch.Tensor:
+    """PLE's hashed n-gram rows: ids [T] after context [n - 1] (n = len(multipliers)) -> table row ids [T, heads],
+    ordered by n-gram order (2..n), then head; the order-m hash XORs ids[t - j] * multipliers[j] for j < m (int64
+    products wrap), with EOS for a place back across an EOS or the start; row = hash mod size + offset per head."""
+    history = torch.cat([context, ids])
+    shifted = [shift_within_segments(history, s, eos) for s in range(multipliers.shape[0])]
+    blocks = []
+    for order in range(2, multipliers.shape[0] + 1):
+        mixed = shifted[0] * multipliers[0]
+        for position in range(1, order):
+            mixed = torch.bitwise_xor(mixed, shifted[position] * multipliers[position])
+        heads = slice((order - 2) * heads_per_ngram, (order - 1) * heads_per_ngram)
+        blocks.append(torch.remainder(mixed[:, None], sizes[heads][None]) + offsets[heads][None])
+    return torch.cat(blocks, dim=-1)[context.shape[0]:]
+
+
 def ngram_decode(raw: torch.Tensor, layout: NgramLayout) -> torch.Tensor:
     """Rows of an n-gram table, raw [n, row_bytes] uint8 -> float32 [n, dim]: bf16 values, or MLX q4 `w | s | b`
     (codes low nibble first, then a bf16 scale and bias per group, `value = scale * code + bias`)."""

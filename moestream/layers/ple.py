@@ -58,19 +58,6 @@ class PLEState:
         self.conv.zero_()
 
 
-def shift_within_segments(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
-    """history [L] ids -> [L]: the id `shift` places back, or EOS where that crosses an EOS or the start."""
-    if shift == 0:
-        return history
-    positions = torch.arange(history.shape[0], device=history.device)
-    eos_at = torch.where(history == eos, positions, -1)
-    last_eos_before = F.pad(torch.cummax(eos_at, dim=0).values[:-1], (1, 0), value=-1)
-    # valid when no EOS lies in [p - shift, p - 1] and p - shift >= 0
-    valid = (positions - (last_eos_before + 1) >= shift) & (positions >= shift)
-    shifted = history[(positions - shift).clamp_min(0)]
-    return torch.where(valid, shifted, torch.full_like(history, eos))
-
-
 class NgramEmbedding(nn.Module):
     """Token ids -> concatenated n-gram rows [T, ple_embed_dim]; buffers load from the store by name."""
 
@@ -87,21 +74,11 @@ class NgramEmbedding(nn.Module):
         self._host_hashing = None
 
     def ngram_ids(self, ids: torch.Tensor, context: torch.Tensor, hashing: tuple | None = None) -> torch.Tensor:
-        """ids [T], context [ngram_size - 1] -> table row ids [T, heads] (ordered by n-gram order, then head);
-        `hashing`: (multipliers, head sizes, head offsets) where they are not the buffers (host copies)."""
+        """ids [T], context [ngram_size - 1] -> table row ids [T, heads] (ops.ngram_ids); `hashing`: (multipliers,
+        head sizes, head offsets) where they are not the buffers (host copies)."""
         multipliers, sizes, offsets = hashing or (self.layer_multipliers, self.ngram_heads_vocab_sizes,
                                                   self.ngram_heads_offsets)
-        history = torch.cat([context, ids])
-        shifted = [shift_within_segments(history, s, self.eos) for s in range(self.ngram_size)]
-        blocks = []
-        for order in range(2, self.ngram_size + 1):
-            # int64 products wrap on overflow, as in the reference hashing
-            mixed = shifted[0] * multipliers[0]
-            for position in range(1, order):
-                mixed = torch.bitwise_xor(mixed, shifted[position] * multipliers[position])
-            heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
-            blocks.append(torch.remainder(mixed[:, None], sizes[heads][None]) + offsets[heads][None])
-        return torch.cat(blocks, dim=-1)[context.shape[0]:]
+        return ops.ngram_ids(ids, context, multipliers, sizes, offsets, self.heads_per_ngram, self.eos)
 
     def stage_step(self, tokens: list[int], token: int) -> None:
         """Before a static step of `token` after `tokens`, with the table on disk: its rows read now into the

@@ -1,7 +1,7 @@
-"""The Triton n-gram row gather equals its torch reference bit for bit: bf16 and q4 tables, ragged dims, group
-sizes 32 and 64, repeated and unordered ids; on CUDA also a pinned host table read in place and a captured graph
-replayed over new ids. Runs on CUDA, or on CPU under TRITON_INTERPRET=1; the reference's q4 decode is checked on
-its own on CPU."""
+"""The Triton n-gram row ids (hashing) and row gather equal their torch references bit for bit; the gather over
+bf16 and q4 tables, ragged dims, group sizes 32 and 64, repeated and unordered ids; on CUDA also a pinned host
+table read in place and a captured graph replayed over new ids. Runs on CUDA, or on CPU under TRITON_INTERPRET=1;
+the reference's q4 decode is checked on its own on CPU."""
 
 import os
 
@@ -79,6 +79,28 @@ def test_ids_out_of_range_give_zero_rows():
     assert not got[[1, 2, 3]].any()
     torch.testing.assert_close(got[[0, 4]], reference.ngram_rows(table, torch.tensor([2, 7], device=DEVICE), layout,
                                                                  torch.float32), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpretable
+@pytest.mark.parametrize("n,heads_per_ngram,tokens", [(2, 1, 1), (3, 8, 1), (3, 8, 37), (4, 3, 16)])
+def test_hashed_ids_match_reference(n, heads_per_ngram, tokens):
+    """Every place-back rule (EOS in the context, in the tokens, at the token itself, runs of them), products that
+    wrap int64, head sizes of any parity."""
+    pytest.importorskip("triton")
+    from moestream.kernels import ngram_rows
+
+    gen, eos, heads = torch.Generator().manual_seed(n * 100 + tokens), 151645, (n - 1) * heads_per_ngram
+    ids = torch.randint(0, 200_000, (tokens,), generator=gen)
+    ids[torch.rand(tokens, generator=gen) < 0.3] = eos
+    context = torch.tensor([eos, 7, 9][: n - 1])
+    multipliers = torch.randint(-(2 ** 62), 2 ** 62, (n,), generator=gen)
+    sizes = torch.randint(1_000, 20_000_000, (heads,), generator=gen)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    args = [a.to(DEVICE) for a in (ids, context, multipliers, sizes, offsets)]
+    got = ngram_rows.ngram_ids(*args, heads_per_ngram, eos)
+    want = reference.ngram_ids(ids, context, multipliers, sizes, offsets, heads_per_ngram, eos)
+    assert got.shape == (tokens, heads) and torch.equal(got.cpu(), want)
 
 
 @pytest.mark.gpu

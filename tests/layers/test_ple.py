@@ -10,7 +10,6 @@ from moestream.engine.llm import LLM
 from moestream.experts.format import NgramLayout
 from moestream.experts.ngram import NgramTable
 from moestream.kernels import reference
-from moestream.layers.ple import shift_within_segments
 from moestream.quant.affine import dequantize, quantize
 from tests.packer.helpers import load_manifest, source_tensors
 
@@ -56,10 +55,10 @@ def test_eos_shift_matches_transformers():
     eos = 1
     ids = torch.randint(0, 6, (200,), generator=torch.Generator().manual_seed(0))  # EOS about 1 in 6
     ids[:3] = eos
-    reference = Qwen4ExpTextNGramEmbedding._shift_right_ignore_eos
+    oracle = Qwen4ExpTextNGramEmbedding._shift_right_ignore_eos
     for shift in range(4):
-        expected = reference(SimpleNamespace(eos_token_id=eos), ids[None], shift)[0]
-        assert torch.equal(shift_within_segments(ids, shift, eos), expected), shift
+        expected = oracle(SimpleNamespace(eos_token_id=eos), ids[None], shift)[0]
+        assert torch.equal(reference.shift_within_segments(ids, shift, eos), expected), shift
 
 
 def test_a_forward_reads_only_the_rows_it_needs(tiny, monkeypatch):
