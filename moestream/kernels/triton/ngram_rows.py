@@ -44,7 +44,7 @@ def ngram_ids_kernel(ids_ptr, context_ptr, mult_ptr, sizes_ptr, offsets_ptr, out
     places = back <= C
     history = tl.where(at < C, tl.load(context_ptr + at, mask=places & (at >= 0) & (at < C), other=0),
                        tl.load(ids_ptr + (at - C), mask=places & (at >= C), other=0)).to(tl.int64)
-    # a place back is valid when no EOS lies between it and the token (itself included) and it is not before 0
+    # a place back is valid when no EOS lies from it (included) to the token (excluded) and it is not before 0
     crossing = ((history == eos) | (at < 0)) & (back > 0)
     shifted = tl.where(tl.cumsum(crossing.to(tl.int32), 0) > 0, eos, history)
     products = shifted * tl.load(mult_ptr + back, mask=places, other=0)
