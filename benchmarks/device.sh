@@ -27,6 +27,34 @@ base_tree() {  # BASE_TGZ (default .device/base.tgz: `git archive BASE moestream
   rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf "${BASE_TGZ:-.device/base.tgz}" -C /tmp/base
   cp -r benchmarks /tmp/base/ && ln -sfn "$PWD/moestream/demo_model" /tmp/base/moestream/demo_model
 }
+interleaved() {  # interleaved RUN: function RUN in the base tree, then in this one, twice over ($tag: the tree)
+  base_tree
+  for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do  # python -m imports from the working directory first
+    (cd "$tree" && export PYTHONPATH="$tree${SITE:+:$SITE}" tag="$(basename "$tree")" && "$1")
+  done
+}
+ab_fn4() {
+  timeout 150 python -m benchmarks.probes.flash_next "$WORK/fn4" --configs graph --out "$OUT/ab-fn4-$tag.jsonl" 2>&1 \
+    | grep -o '"prompt".*'
+}
+ab_prefill() {
+  timeout 120 python -m benchmarks.probes.e2e "$WORK/q12" --prefill --fracs 1.0 --warm --no-profile 2>&1 \
+    | grep -i "prefill" | sed "s|^|$tag: |" | tee -a "$OUT/ab-prefill.log"
+}
+ab_batching() {
+  timeout 120 python -m benchmarks.batching "$WORK/q30s" /tmp/ab.json --streams 1,16 ${BATCH_ARGS:-} > /dev/null 2>&1 \
+    && python -c "import json; [print('$tag', r['streams'], round(r['step_ms'], 3), round(r['vs_one_stream'], 2)) \
+for r in json.load(open('/tmp/ab.json'))['rows']]" | tee -a "$OUT/ab-batching.log"
+}
+ab_mixed() {
+  timeout 120 python -m benchmarks.probes.mixed_decode "$WORK/fn12" --tag "$tag" 2>&1 | grep '"tag"' \
+    | tee -a "$OUT/ab-mixed.log"
+}
+ab_speculation() {
+  timeout 150 python -m benchmarks.speculation /tmp/spec.json > /dev/null 2>&1 && python -c "import json; \
+[print('$tag', r['mode'], '|', r['speculation'], r['task'], round(r['decode_tok_s']), round(r['speed_up'], 2)) \
+for r in json.load(open('/tmp/spec.json'))]" | tee -a "$OUT/ab-speculation.log"
+}
 e2e() {  # e2e SECONDS LOG ARGS...: the end-to-end probe on the 30B store (E2E_ARGS adds options)
   local limit=$1 log=$2; shift 2
   wait_stores; timeout "$limit" python -m benchmarks.probes.e2e "$STORE" "$@" ${E2E_ARGS:-} 2>&1 | tee "$OUT/$log.log" | tail -30
@@ -89,46 +117,22 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
     ab-fn4)  # the 4-layer Flash-Next slice decoded by the tree at .device/base.tgz and by this one, interleaved
       [ -f "$WORK/fn4/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn4" --geometry qwen3.8-flash-next \
         --layers 4 --sparse q4 --ngram-rows 1000000 > "$OUT/fn4.log" 2>&1
-      base_tree
-      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do  # python -m imports from the working directory first
-        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 150 python -m benchmarks.probes.flash_next "$WORK/fn4" \
-          --configs graph --out "$OUT/ab-fn4-$(basename "$tree").jsonl" 2>&1 | grep -o '"prompt".*')
-      done ;;
+      interleaved ab_fn4 ;;
     ab-prefill)  # resident prefill 512/4096 of a 12-layer 30B slice by the tree at .device/base.tgz and by this one,
                  # interleaved (`git archive BASE moestream ':!moestream/demo_model' | gzip > .device/base.tgz`)
       [ -f "$WORK/q12/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
 build('$WORK/q12', 'qwen3-30b', layers=12, sparse=('q4',))" > "$OUT/q12.log" 2>&1
-      base_tree
-      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
-        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 120 python -m benchmarks.probes.e2e "$WORK/q12" --prefill --fracs 1.0 \
-          --warm --no-profile 2>&1 | grep -i "prefill" | sed "s|^|$(basename "$tree"): |" | tee -a "$OUT/ab-prefill.log")
-      done ;;
+      interleaved ab_prefill ;;
     ab-batching)  # 30B resident, 1 and 16 streams, by the tree at .device/base.tgz and by this one, interleaved
       [ -f "$WORK/q30s/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
 build('$WORK/q30s', 'qwen3-30b', sparse=('q4',))" > "$OUT/q30s.log" 2>&1
-      base_tree
-      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
-        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 120 python -m benchmarks.batching "$WORK/q30s" /tmp/ab.json \
-          --streams 1,16 ${BATCH_ARGS:-} > /dev/null 2>&1 && python -c "import json; [print('$(basename "$tree")', \
-r['streams'], round(r['step_ms'], 3), round(r['vs_one_stream'], 2)) for r in json.load(open('/tmp/ab.json'))['rows']]" \
-          | tee -a "$OUT/ab-batching.log")
-      done ;;
+      interleaved ab_batching ;;
     ab-mixed)  # Q4 with Q2 misses on a 12-layer Flash-Next slice (25% pool + host), base tree and this one, interleaved
       [ -f "$WORK/fn12/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn12" --geometry qwen3.8-flash-next \
         --layers 12 --ngram-rows 1000000 --precisions q4,q2 --sparse q4 > "$OUT/fn12.log" 2>&1
-      base_tree
-      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
-        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 120 python -m benchmarks.probes.mixed_decode "$WORK/fn12" \
-          --tag "$(basename "$tree")" 2>&1 | grep '"tag"' | tee -a "$OUT/ab-mixed.log")
-      done ;;
+      interleaved ab_mixed ;;
     ab-speculation)  # the demo model's speculation table (benchmarks/speculation.py) by the base tree and this one
-      base_tree
-      for tree in /tmp/base "$PWD" /tmp/base "$PWD"; do
-        (cd "$tree" && PYTHONPATH="$tree${SITE:+:$SITE}" timeout 150 python -m benchmarks.speculation /tmp/spec.json \
-          > /dev/null 2>&1 && python -c "import json; [print('$(basename "$tree")', r['mode'], '|', r['speculation'], \
-r['task'], round(r['decode_tok_s']), round(r['speed_up'], 2)) for r in json.load(open('/tmp/spec.json'))]" \
-          | tee -a "$OUT/ab-speculation.log")
-      done ;;
+      interleaved ab_speculation ;;
     gemv) timeout 120 python -m benchmarks.probes.gemv 2>&1 | tee "$OUT/gemv.log" ;;
     e2e) e2e 300 e2e --decode --prefill ;;
     decode) e2e 200 decode --decode --profile ;;
