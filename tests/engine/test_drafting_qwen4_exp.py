@@ -50,13 +50,14 @@ def greedy_with_oracle_drafts(tiny, device: str, tier: str, monkeypatch) -> list
     try:
         want = llm.generate([prompt], PARAMS)[0].token_ids
         records = llm.provider.pool.stride * llm.provider.geometry.num_records
+        vocab = llm.config.vocab_size
     finally:
         llm.close()
     propose = HeadDrafts.propose
 
     def oracle(drafts, tokens, k):
         at, n = len(tokens) - len(prompt), len(propose(drafts, tokens, k))
-        return [t if (at + i) % 3 else (t + 1) % 256 for i, t in enumerate(want[at: at + n])]
+        return [t if (at + i) % 3 else (t + 1) % vocab for i, t in enumerate(want[at: at + n])]
 
     monkeypatch.setattr(HeadDrafts, "propose", oracle)
     options = {"resident": {}, "pool + host": dict(pool_gb=records / 4e9, host_gb=1.0),
