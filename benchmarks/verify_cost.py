@@ -2,7 +2,8 @@
 with a 25% pool + host tier; and greedy decode with speculation on but every draft wrong (adaptive depth should
 turn drafts off) against speculation off. Random weights, so drafts are forced: the rows' cost does not depend on
 whether they are accepted. With `--mtp` the store has an MTP head, drafts come from it (the all-rejected run pays
-its steps too), and a head step's own cost is timed: what a draft costs beside the verify step that checks it.
+its steps too), and a head step's own cost is timed: what a draft costs beside the verify step that checks it; and
+the whole greedy step of k drafts (drafts, verification, the head's next draft: one graph) at each fixed k.
 
   python -m benchmarks.verify_cost OUT.json --geometry qwen3-30b --layers 8 [--mtp]
 """
@@ -20,9 +21,10 @@ import torch
 from benchmarks.synthetic import build
 from moestream.config import MAX_DRAFTS
 from moestream.engine import generate as gen
-from moestream.engine.drafting import HeadDrafts
+from moestream.engine.drafting import HeadDecoder
 from moestream.engine.llm import LLM
 from moestream.engine.lookup import PromptLookup
+from moestream.engine.speculation import Depth, SpecStats
 from moestream.experts.format import RecordLayout
 from moestream.sampling import SamplingParams
 
@@ -57,16 +59,35 @@ def head_ms(llm: LLM, context: int = 256) -> float:
 
 
 def reject_every_draft(spec: str, last: int):
-    """Make every draft one a random model's greedy run does not pick (the last ids); returns the undo."""
-    owner = HeadDrafts if spec == "mtp" else PromptLookup
-    original = owner.propose
+    """Make every draft one a random model's greedy run does not pick (the last id); returns the undo. The head
+    runs as it would and its logits then point at `last` (on the device: the fused step's drafts too)."""
+    if spec == "mtp":
+        owner, name, original = HeadDecoder, "_run", HeadDecoder._run
 
-    def propose(self, *args):
-        n = len(original(self, *args)) if spec == "mtp" else args[-1]  # the head runs as it would; lookup drafts k
-        return [last - i for i in range(n)]
+        def replaced(self, *args, **options):
+            hidden, logits = original(self, *args, **options)
+            return hidden, torch.zeros_like(logits).index_fill_(-1, torch.tensor([last], device=logits.device), 1.0)
+    else:
+        owner, name, original = PromptLookup, "propose", PromptLookup.propose
 
-    owner.propose = propose
-    return lambda: setattr(owner, "propose", original)
+        def replaced(self, k):
+            return [last - i for i in range(k)]
+
+    setattr(owner, name, replaced)
+    return lambda: setattr(owner, name, original)
+
+
+def fused_ms(llm: LLM, tokens: int = 64) -> dict[int, float]:
+    """ms a greedy MTP step of k drafts takes whole (engine/drafting.py FusedDrafts, host work included), from the
+    speculation counters of a run at each fixed depth (drafts rejected or not, a step of k drafts costs the same)."""
+    ms = {}
+    for k in range(1, MAX_DRAFTS + 1):
+        llm.depth, llm.spec_stats = Depth(llm.engine_config.max_drafts, k), SpecStats()
+        for _ in range(2):  # the first captures the step's graph
+            llm.generate([list(range(1000, 1064))], SamplingParams(max_tokens=tokens, ignore_eos=True))
+        ms[k] = llm.spec_stats.as_dict()["step_ms"][k]
+    llm.depth = Depth(llm.engine_config.max_drafts, llm.engine_config.drafts)
+    return ms
 
 
 def decode_tok_s(llm: LLM, tokens: int = 128) -> float:
@@ -105,6 +126,7 @@ def main() -> None:
                "step_ms": ms, "relative": {k: ms[k + 1] / ms[1] for k in range(1, MAX_DRAFTS + 1)}}
         if args.mtp:
             run["head_ms"] = head_ms(llm)
+            run["fused_step_ms"] = fused_ms(llm)
         # speculation pays the rejected verify steps (`speculation` says how many were kept) until its depth falls to 0
         undo = reject_every_draft(spec, llm.config.vocab_size - 1)
         llm.spec_stats = type(llm.spec_stats)()

@@ -95,3 +95,122 @@ class HeadDrafts:
             out, logits = self.head.forward(drafts[-1:], self.state, out, start=start + len(drafts) - 1)
             drafts.append(int(logits[0].argmax()))
         return drafts
+
+
+class FusedDrafts:
+    """Greedy MTP speculation's whole step as one CUDA graph per draft count k: the head's chained drafts, the
+    trunk's k+1 verify rows, each row's argmax and the count kept, then the head fed every verified row (those past
+    the kept ones at positions the next real rows overwrite), which leaves the next step's first draft on the
+    device. The host reads the tokens and the count once a step: on a small model a separate head step and two reads
+    back cost more than the drafts earn (docs/performance.md). On the CPU the same step runs eagerly."""
+
+    def __init__(self, trunk: Decoder, head: HeadDecoder):
+        self.trunk, self.head, device = trunk, head, trunk.device
+        self.draft = torch.zeros(1, dtype=torch.long, device=device)  # the next step's first draft
+        self.draft_out = torch.zeros(1, head.model.hidden_width, dtype=head.dtype, device=device)  # the head's row
+        self.token = torch.zeros(1, dtype=torch.long, device=device)  # the token the step feeds first
+        self.owner: HeadDrafts | None = None  # the sequence whose next draft `draft` is
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # k -> its graph, what it is over
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> [best k+1 | kept], chain's routing
+
+    def step(self, drafts: HeadDrafts, prompt: list[int], generated: list[int], state: SequenceState,
+             k: int) -> list[int] | None:
+        """One step of `k` drafts after `prompt` and `generated` (the trunk has not been fed the last token) on the
+        decoders' own states: the tokens to append (the kept drafts and the trunk's next), the states advanced past
+        them; None where the step cannot run as one (records on disk, eager decode, another state)."""
+        trunk, head, head_state = self.trunk, self.head, drafts.state
+        cuda = trunk.device.type == "cuda"
+        addresses = trunk.provider.address_table() if trunk.mode == "graph" or not cuda else None
+        if (cuda and addresses is None) or not (trunk._own([state]) and head._own([head_state])):
+            return None
+        if self.owner is not drafts or drafts.unseen_rows:
+            caught = drafts.catch_up(prompt + generated, skip=True)  # the whole sequence only when priming
+            if caught is None:
+                return None
+            self.draft_out.copy_(caught[0])
+            torch.argmax(caught[1], -1, out=self.draft)
+            self.owner = drafts
+        start = state.length
+        if head_state.length != start:  # the head not level with the trunk: the separate steps sort it out
+            self.owner = None
+            return None
+        over = self._over(state, head_state, start + k + 1)
+        last = generated[-1]
+        self.token.fill_(last)
+        trunk.position.fill_(start)
+        result, chain = self._outputs(k)
+        captured = self.graphs.get(k)
+        if captured is not None and captured[1][0] is state and captured[1][1] is head_state \
+                and captured[1][2:] == over[2:]:
+            captured[0].replay()
+        else:  # run once (compiled, allocated), then captured for the next steps
+            self._run(k, state, head_state, addresses)
+            if cuda:
+                self._capture(k, state, head_state, addresses, over)
+        if addresses is not None:  # the graph's lookups, counted as the decoders' replays count theirs
+            for routed in (*chain, trunk._inputs(k + 1, False).routed, head._inputs(k + 1, False).routed):
+                trunk.provider.note_addressed(routed)
+        *best, kept = result.tolist()
+        out = best[:kept + 1]
+        state.accept([last, *out[:-1]], k + 1)
+        head_state.advance(out)
+        return out
+
+    def warm(self) -> None:
+        """Capture every k's step at load over the decoders' own states (the next `new_state` resets them), as the
+        decoders capture theirs (whose warm-up compiled every kernel it runs): no request pays for a capture."""
+        trunk, head = self.trunk, self.head
+        addresses = trunk.provider.address_table() if trunk.device.type == "cuda" and trunk.mode == "graph" else None
+        if addresses is None:
+            return
+        state, head_state = trunk.state, head.new_state()
+        with torch.inference_mode():
+            trunk.position.fill_(0)
+            for k in range(1, head.max_rows):
+                self._outputs(k)
+                self._capture(k, state, head_state, addresses, self._over(state, head_state, k + 1))
+
+    def _over(self, state: SequenceState, head_state: SequenceState, end: int) -> tuple:
+        """What a graph is over, with room up to `end`: these states' buffers (the same objects, capacities)."""
+        trunk, head = self.trunk, self.head
+        return (state, head_state, trunk._make_room(state, end), head._make_room(head_state, end), trunk._grown(),
+                head._grown())
+
+    def _outputs(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if k not in self.outputs:
+            device, routed = self.trunk.device, self.head._inputs(1, False).routed
+            self.outputs[k] = (torch.zeros(k + 2, dtype=torch.long, device=device),
+                               torch.zeros(max(k - 1, 0), *routed.shape, dtype=torch.long, device=device))
+        return self.outputs[k]
+
+    def _capture(self, k: int, state: SequenceState, head_state: SequenceState, addresses, over: tuple) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._run(k, state, head_state, addresses)
+        self.graphs[k] = graph, over
+
+    def _run(self, k: int, state: SequenceState, head_state: SequenceState, addresses) -> None:
+        trunk, head = self.trunk, self.head
+        one, verify, catch = head._inputs(1, False), trunk._inputs(k + 1, False), head._inputs(k + 1, False)
+        result, chain = self.outputs[k]
+        drafts, out = [self.draft], self.draft_out
+        for j in range(k - 1):  # draft j+2 from the head's own output and draft j+1, at position start + j
+            torch.add(trunk.position, j, out=head.position)
+            one.tokens.copy_(drafts[-1])
+            one.hidden.copy_(out)
+            out, logits = head._run((1, False), head_state, addresses)
+            chain[j].copy_(one.routed)
+            drafts.append(logits.argmax(-1))
+        verify.tokens[:1].copy_(self.token)
+        verify.tokens[1:].copy_(torch.cat(drafts))
+        hidden, logits = trunk._run((k + 1, False), state, addresses)
+        best = logits.argmax(-1)
+        kept = (best[:k] == verify.tokens[1:]).long().cumprod(0).sum(0, keepdim=True)
+        head.position.copy_(trunk.position)
+        catch.tokens.copy_(best)
+        catch.hidden.copy_(hidden)
+        out, logits = head._run((k + 1, False), head_state, addresses)
+        torch.argmax(logits.index_select(0, kept), -1, out=self.draft)
+        self.draft_out.copy_(out.index_select(0, kept))
+        result[:k + 1].copy_(best)
+        result[k + 1:].copy_(kept)

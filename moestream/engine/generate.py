@@ -189,8 +189,11 @@ class Generation:
         seq, speculator, last = self.seq, self.speculator, self.last
         if speculator is None:
             return self._take([self.sampler.pick(step(last, seq.state), self._history())])
-        tic = time.perf_counter()
-        drafts = speculator.propose(seq.generated, seq.params.max_tokens - len(seq.generated) - 1)
+        tic, limit = time.perf_counter(), seq.params.max_tokens - len(seq.generated) - 1
+        if (fused := speculator.fused_step(self.sampler, seq.generated, seq.state, limit)) is not None:
+            speculator.record(fused[0], len(fused[1]) - 1, time.perf_counter() - tic)
+            return self._take(fused[1])
+        drafts = speculator.propose(seq.generated, limit)
         if drafts:
             hidden, rows = verify([last, *drafts], seq.state)
             pending = accept(self.sampler, rows, drafts, seq.prompt + seq.generated)

@@ -20,7 +20,7 @@ import torch
 from moestream.config import EngineConfig
 from moestream.engine import generate as gen
 from moestream.engine.decode import Decoder
-from moestream.engine.drafting import HeadDecoder, HeadDrafts
+from moestream.engine.drafting import FusedDrafts, HeadDecoder, HeadDrafts
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.memory import activation_bytes, dense_bytes, kv_row_bytes, plan_gpu, state_bytes
 from moestream.engine.prefill import PADDED_SIZES, Prefiller
@@ -120,6 +120,7 @@ class LLM:
         self.kv_positions = kv.blocks * BLOCK_ROWS if kv is not None and kv.bounded else None  # None: it grows
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \
             if cfg.speculation == "mtp" and cfg.max_drafts else None
+        self.fused = FusedDrafts(self.decoder, self.head) if self.head is not None else None
         self._tokenizer = self._grammars = None
         if cfg.preload if cfg.preload is not None else cuda:
             from moestream.engine.progress import progress_bar
@@ -183,6 +184,7 @@ class LLM:
             self.prefiller.warm()
             if self.head is not None:
                 self.head.warm()
+                self.fused.warm()
             if self.provider.pool.resident == self.provider.geometry.num_records:
                 # past the padded sizes, as a long prompt runs: row counts of both divisibilities Triton specializes
                 longer = torch.randint(0, self.config.vocab_size, (PADDED_SIZES[-1] + 16,), generator=generator)
@@ -272,7 +274,7 @@ class LLM:
         speculator = None
         if self.engine_config.max_drafts:
             head = HeadDrafts(self.head, state.draft) if self.head is not None else None
-            speculator = Speculator(self.depth, self.spec_stats, seq.prompt, head)
+            speculator = Speculator(self.depth, self.spec_stats, seq.prompt, head, self.fused)
         constraint = self.grammars.constraint(params.structure) if params.structure is not None else None
         return gen.Generation(self.model, seq, self.eos_ids, self.engine_config.prefill_chunk, self.device,
                               self.prefix_cache.insert if self.prefix_cache else None, speculator, constraint,

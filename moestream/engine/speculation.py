@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from moestream.engine.drafting import HeadDrafts
+from moestream.engine.drafting import FusedDrafts, HeadDrafts
 from moestream.engine.lookup import PromptLookup
 from moestream.sampling import Sampler
 
@@ -154,10 +154,12 @@ class Depth:
 class Speculator:
     """One sequence's drafts: prompt lookup over its tokens so far, or the MTP head's (`head`, engine/drafting.py),
     at the depth `depth` chooses (the engine's, so that what drafts earned on earlier requests carries over); each
-    step's outcome goes to the depth and to the engine's `stats`."""
+    step's outcome goes to the depth and to the engine's `stats`. Greedy MTP steps run whole as `fused`'s graphs
+    where they can."""
 
-    def __init__(self, depth: Depth, stats: SpecStats, prompt: list[int], head: HeadDrafts | None = None):
-        self.depth, self.stats, self.prompt, self.head = depth, stats, prompt, head
+    def __init__(self, depth: Depth, stats: SpecStats, prompt: list[int], head: HeadDrafts | None = None,
+                 fused: FusedDrafts | None = None):
+        self.depth, self.stats, self.prompt, self.head, self.fused = depth, stats, prompt, head, fused
         self.lookup = PromptLookup()
         self.lookup.reset(prompt)
 
@@ -167,6 +169,14 @@ class Speculator:
         if self.head is not None:
             self.head.extend(rows)
             self.head.catch_up(self.prompt)
+
+    def fused_step(self, sampler: Sampler, generated: list[int], state, limit: int) -> tuple[int, list[int]] | None:
+        """A greedy MTP step of drafts, verification and the head's next draft in one (`fused`): (its drafts, the
+        tokens to append), the states advanced; None where it cannot run so (then `propose` and a verify step)."""
+        if self.fused is None or not sampler.greedy or (k := min(self.depth.next(), limit)) <= 0:
+            return None
+        out = self.fused.step(self.head, self.prompt, generated, state, k)
+        return None if out is None else (k, out)
 
     def propose(self, generated: list[int], limit: int) -> list[int]:
         """Up to `limit` drafts to follow the prompt and `generated`; none without a host pass over the tokens

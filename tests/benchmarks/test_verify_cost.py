@@ -1,10 +1,11 @@
 """verify_cost's all-rejected run: every draft becomes one the greedy run does not pick, from prompt lookup or after
-the MTP head ran as it would, and the undo puts the drafter back."""
+the MTP head ran as it would (its logits replaced on the device, so the fused step's drafts too), and the undo puts the
+drafter back."""
 
 import pytest
 
 from benchmarks.verify_cost import reject_every_draft
-from moestream.engine.drafting import HeadDrafts
+from moestream.engine.drafting import HeadDecoder
 from moestream.engine.llm import LLM
 from moestream.engine.lookup import PromptLookup
 from moestream.sampling import SamplingParams
@@ -13,8 +14,8 @@ from moestream.sampling import SamplingParams
 @pytest.mark.parametrize("spec", ["lookup", "mtp"])
 def test_every_draft_is_rejected_and_the_drafter_comes_back(tiny, spec):
     store = tiny.store("qwen4_exp", mtp=True, indexer_n_heads=8)
-    owner = HeadDrafts if spec == "mtp" else PromptLookup
-    original = owner.propose
+    owner, name = (HeadDecoder, "_run") if spec == "mtp" else (PromptLookup, "propose")
+    original = getattr(owner, name)
     llm = LLM(store, device="cpu", dtype="float32", speculation=spec, drafts=2)
     try:
         undo = reject_every_draft(spec, llm.config.vocab_size - 1)
@@ -24,5 +25,5 @@ def test_every_draft_is_rejected_and_the_drafter_comes_back(tiny, spec):
         stats = llm.stats()["speculation"]
     finally:
         llm.close()
-    assert owner.propose is original
+    assert getattr(owner, name) is original
     assert sum(stats["proposed"]) > 0 and sum(stats["accepted"]) == 0, stats

@@ -6,6 +6,7 @@ import torch
 
 from moestream.cli.demo import DEMO_STORE
 from moestream.engine.llm import LLM
+from moestream.engine.speculation import Speculator
 from moestream.sampling import SamplingParams
 
 PROMPT = ("def parse(tokens):\n    \"\"\"Return the tree of the tokens.\"\"\"\n    stack = []\n"
@@ -84,6 +85,22 @@ def test_a_cached_prefix_restores_the_heads_state_too(plain):
     finally:
         llm.close()
     assert runs[0] == runs[1] and runs[0][0] == plain
+
+
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_the_fused_step_drafts_what_separate_steps_draft(plain, monkeypatch, drafts):
+    """A greedy step as one (FusedDrafts: the head fed every verified row, the next draft left on the device) keeps
+    the drafts that a head step, a verify step and a catch-up keep: the head's rows have the bits of single steps."""
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Speculator, "fused_step", lambda *args: None)
+        llm = _llm(speculation="mtp", drafts=drafts)
+        try:
+            runs.append((llm.generate([PROMPT], PARAMS)[0].token_ids, llm.stats()["speculation"]["accepted"]))
+        finally:
+            llm.close()
+    assert runs[0] == runs[1] and runs[0][0] == plain, runs
 
 
 def test_sampling_with_mtp_drafts_runs_to_its_length():

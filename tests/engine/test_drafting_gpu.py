@@ -22,12 +22,13 @@ def test_gpu_greedy_tokens_with_mtp_drafts_are_the_plain_ones():
         llm = LLM(DEMO_STORE, device="cuda", speculation="mtp", **setting)
         try:
             got = llm.generate([PROMPT], PARAMS)[0].token_ids
-            spec, graphs = llm.stats()["speculation"], sorted(llm.head.graphs)
+            spec, graphs, fused = llm.stats()["speculation"], sorted(llm.head.graphs), sorted(llm.fused.graphs)
             sampled = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.7, seed=3))[0]
         finally:
             llm.close()
         assert got == want, (setting, spec)
         assert spec["acceptance"][0] > 0.4, (setting, spec)  # of this prompt: 0.5-0.6 (CPU)
         assert 0 < len(sampled.token_ids) <= 16
-        if not setting:  # resident: a graph of the head for every row count
+        if not setting:  # resident: a graph of the head for every row count, of the whole step for every k
             assert graphs == [(rows, False) for rows in range(1, 6)], graphs
+            assert fused == [1, 2, 3, 4], fused
