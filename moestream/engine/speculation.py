@@ -141,8 +141,6 @@ class Depth:
     def next(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        if self.measured and 0 not in self.measured:  # a plain step's cost first: drafts are judged against it
-            return 0
         best = self._best()
         if best == 0:
             return 1 if self.max_drafts and self.since_drafts >= self.wait else 0

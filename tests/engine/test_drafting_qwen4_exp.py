@@ -66,7 +66,7 @@ def greedy_with_oracle_drafts(tiny, device: str, tier: str, monkeypatch) -> list
     monkeypatch.setattr(HeadDecoder, "_run", oracle)
     options = {"resident": {}, "pool + host": dict(pool_gb=records / 4e9, host_gb=1.0),
                "pool + disk": dict(pool_gb=records / 4e9, host_gb=0)}[tier]
-    llm = _llm(tiny, device, speculation="mtp", drafts=3, **options)  # adaptive drafts little on the CPU
+    llm = _llm(tiny, device, speculation="mtp", **options)
     try:
         assert llm.generate([prompt], PARAMS)[0].token_ids == want
         spec, graphs = llm.stats()["speculation"], sorted(llm.head.graphs)

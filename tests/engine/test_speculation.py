@@ -86,16 +86,6 @@ def test_depth_falls_to_zero_when_every_draft_is_rejected_and_probes():
     assert depth.wait == depth.probe
 
 
-def test_a_fresh_depth_measures_a_plain_step_before_judging_drafts_by_it():
-    """Every draft rejected, a draft costing 0.65 plain steps: two steps draft, then none until the first probe
-    (priced by the prior alone, the first 16 steps drafted: 3% of an 8-layer model's decode)."""
-    depth, chosen = Depth(max_drafts=4), []
-    for _ in range(60):
-        chosen.append(depth.next())
-        depth.update(chosen[-1], 0, 1.0 + 0.65 * chosen[-1])
-    assert chosen[1] == 0 and sum(k > 0 for k in chosen) == 2, chosen
-
-
 def test_depth_grows_when_drafts_are_kept_and_cheap():
     depth = Depth(max_drafts=4)
     depth.update(0, 0, 1.0)
