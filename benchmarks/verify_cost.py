@@ -1,9 +1,10 @@
-"""What a verify step of k drafts (k+1 rows) costs against a one-row decode step, k = 1..MAX_DRAFTS, resident and
-with a 25% pool + host tier; and greedy decode with speculation on but every draft wrong (adaptive depth should
-turn drafts off) against speculation off. Random weights, so drafts are forced: the rows' cost does not depend on
-whether they are accepted. With `--mtp` the store has an MTP head, drafts come from it (the all-rejected run pays
-its steps too), and a head step's own cost is timed: what a draft costs beside the verify step that checks it; and
-the whole greedy step of k drafts (drafts, verification, the head's next draft: one graph) at each fixed k.
+"""What a verify step of k drafts (k+1 rows) costs against a one-row decode step, k = 1..MAX_DRAFTS, resident and with a
+25% pool + host tier; and greedy decode with speculation on but every draft wrong (adaptive depth should turn drafts
+off) against speculation off, a request of each in turn, five rounds. Random weights, so drafts are forced: the rows'
+cost does not depend on whether they are accepted. With `--mtp` the store has an MTP head, drafts come from it (the
+all-rejected run pays its steps too), and a head step's own cost is timed: what a draft costs beside the verify step
+that checks it; and the whole greedy step of k drafts (drafts, verification, the head's next draft: one graph) at
+each fixed k.
 
   python -m benchmarks.verify_cost OUT.json --geometry qwen3-30b --layers 8 [--mtp]
 """
@@ -14,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -90,13 +92,29 @@ def fused_ms(llm: LLM, tokens: int = 64) -> dict[int, float]:
     return ms
 
 
-def decode_tok_s(llm: LLM, tokens: int = 128) -> float:
-    params, prompt = SamplingParams(max_tokens=tokens, ignore_eos=True), list(range(1000, 1064))
-    best = 0.0
-    for _ in range(3):
-        out = llm.generate([prompt], params)[0]
-        best = max(best, out.stats["timings"]["decode_tok_s"])
-    return best
+def decode_tok_s(llm: LLM, tokens: int) -> float:
+    prompt = [i % llm.config.vocab_size for i in range(1000, 1064)]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    return llm.generate([prompt], params)[0].stats["timings"]["decode_tok_s"]
+
+
+def all_rejected(llm: LLM, spec: str, rounds: int = 5, tokens: int = 128) -> dict:
+    """Greedy decode with speculation on and every draft rejected against speculation off, a request of each a
+    round, interleaved so that the machine's drift falls on both; the depth carries over from round to round as
+    from request to request (the first round's pays its early drafts): each round's tok/s, the medians, and the
+    speculation counters of the rounds with it on."""
+    on_config, off_config = llm.engine_config, dataclasses.replace(llm.engine_config, speculation="off")
+    llm.spec_stats = type(llm.spec_stats)()
+    on, off = [], []
+    for _ in range(rounds):
+        undo = reject_every_draft(spec, llm.config.vocab_size - 1)
+        on.append(decode_tok_s(llm, tokens))
+        undo()
+        llm.engine_config = off_config
+        off.append(decode_tok_s(llm, tokens))
+        llm.engine_config = on_config
+    return {"decode_tok_s_spec_all_rejected": statistics.median(on), "decode_tok_s_spec_off": statistics.median(off),
+            "rounds_tok_s": {"all_rejected": on, "off": off}, "speculation": llm.spec_stats.as_dict()}
 
 
 def main() -> None:
@@ -127,14 +145,7 @@ def main() -> None:
         if args.mtp:
             run["head_ms"] = head_ms(llm)
             run["fused_step_ms"] = fused_ms(llm)
-        # speculation pays the rejected verify steps (`speculation` says how many were kept) until its depth falls to 0
-        undo = reject_every_draft(spec, llm.config.vocab_size - 1)
-        llm.spec_stats = type(llm.spec_stats)()
-        run["decode_tok_s_spec_all_rejected"] = decode_tok_s(llm)
-        run["speculation"] = llm.spec_stats.as_dict()
-        undo()
-        llm.engine_config = dataclasses.replace(llm.engine_config, speculation="off")
-        run["decode_tok_s_spec_off"] = decode_tok_s(llm)
+        run.update(all_rejected(llm, spec))  # rejected verify steps are paid until the depth falls to 0
         run["graph_rows"] = sorted(llm.decoder.graphs)
         print(json.dumps(run), flush=True)
         runs.append(run)
