@@ -55,6 +55,12 @@ ab_speculation() {
 [print('$tag', r['mode'], '|', r['speculation'], r['task'], round(r['decode_tok_s']), round(r['speed_up'], 2)) \
 for r in json.load(open('/tmp/spec.json'))]" | tee -a "$OUT/ab-speculation.log"
 }
+ab_verify() {
+  timeout 240 python -m benchmarks.verify_cost /tmp/vc.json --mtp > /dev/null 2>&1 && python -c "import json; \
+[print('$tag', r['mode'], '| all rejected', round(r['decode_tok_s_spec_all_rejected']), 'off', \
+round(r['decode_tok_s_spec_off']), r['speculation']['proposed']) for r in json.load(open('/tmp/vc.json'))]" \
+    | tee -a "$OUT/ab-verify.log"
+}
 e2e() {  # e2e SECONDS LOG ARGS...: the end-to-end probe on the 30B store (E2E_ARGS adds options)
   local limit=$1 log=$2; shift 2
   wait_stores; timeout "$limit" python -m benchmarks.probes.e2e "$STORE" "$@" ${E2E_ARGS:-} 2>&1 | tee "$OUT/$log.log" | tail -30
@@ -133,6 +139,8 @@ build('$WORK/q30s', 'qwen3-30b', sparse=('q4',))" > "$OUT/q30s.log" 2>&1
       interleaved ab_mixed ;;
     ab-speculation)  # the demo model's speculation table (benchmarks/speculation.py) by the base tree and this one
       interleaved ab_speculation ;;
+    ab-verify)  # verify_cost --mtp (30B, 8 layers): every draft rejected against speculation off, base tree and this one
+      interleaved ab_verify ;;
     gemv) timeout 120 python -m benchmarks.probes.gemv 2>&1 | tee "$OUT/gemv.log" ;;
     e2e) e2e 300 e2e --decode --prefill ;;
     decode) e2e 200 decode --decode --profile ;;

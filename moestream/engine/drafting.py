@@ -110,6 +110,7 @@ class FusedDrafts:
         self.draft_out = torch.zeros(1, head.model.hidden_width, dtype=head.dtype, device=device)  # the head's row
         self.token = torch.zeros(1, dtype=torch.long, device=device)  # the token the step feeds first
         self.owner: HeadDrafts | None = None  # the sequence whose next draft `draft` is
+        self.primed = False  # whether the last step first fed the head rows it had skipped
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # k -> its graph, what it is over
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> [best k+1 | kept], chain's routing
 
@@ -123,7 +124,8 @@ class FusedDrafts:
         addresses = trunk.provider.address_table() if trunk.mode == "graph" or not cuda else None
         if (cuda and addresses is None) or not (trunk._own([state]) and head._own([head_state])):
             return None
-        if self.owner is not drafts or drafts.unseen_rows:
+        self.primed = self.owner is not drafts or drafts.unseen_rows > 0
+        if self.primed:
             caught = drafts.catch_up(prompt + generated, skip=True)  # the whole sequence only when priming
             if caught is None:
                 return None

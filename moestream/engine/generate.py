@@ -189,11 +189,12 @@ class Generation:
         seq, speculator, last = self.seq, self.speculator, self.last
         if speculator is None:
             return self._take([self.sampler.pick(step(last, seq.state), self._history())])
-        tic, limit = time.perf_counter(), seq.params.max_tokens - len(seq.generated) - 1
-        if (fused := speculator.fused_step(self.sampler, seq.generated, seq.state, limit)) is not None:
-            speculator.record(fused[0], len(fused[1]) - 1, time.perf_counter() - tic)
-            return self._take(fused[1])
-        drafts = speculator.propose(seq.generated, limit)
+        tic, k = time.perf_counter(), speculator.drafts(seq.params.max_tokens - len(seq.generated) - 1)
+        if (fused := speculator.fused_step(self.sampler, seq.generated, seq.state, k)) is not None:
+            tokens, primed = fused  # a step that first fed the head skipped rows is no measure of k's cost
+            speculator.record(k, len(tokens) - 1, time.perf_counter() - tic, timed=not primed)
+            return self._take(tokens)
+        drafts = speculator.propose(seq.generated, k)
         if drafts:
             hidden, rows = verify([last, *drafts], seq.state)
             pending = accept(self.sampler, rows, drafts, seq.prompt + seq.generated)

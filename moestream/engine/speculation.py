@@ -89,6 +89,10 @@ class SpecStats:
 
 
 ROW_FLOOR = 0.02  # the least a verify row costs, relative to a one-row step
+# drafts whose first is kept at least 1 in 2 stop only when their best depth yields under this share of plain
+# decode's tokens a second: acceptance decayed over ~10 steps is too noisy to judge a thin margin, and a depth
+# fallen to 0 climbs back slowly
+STOP_BELOW = 0.85
 
 
 class Depth:
@@ -97,19 +101,24 @@ class Depth:
     kept (per position: an MTP head's chained drafts are kept far less often than its first). It falls to 0 when
     drafts stop paying, and tries one draft after `probe` plain steps to notice when they pay again, waiting twice
     as long after each probe that did not make them pay (up to 32x). Drafting, it tries one draft more every
-    `probe` steps: else a position judged unlucky early is never judged again, and the depth stays below its best."""
+    `probe` steps: else a position judged unlucky early is never judged again, and the depth stays below its best.
+    A plain step runs once drafts have run, so that their measured cost is what judges them (without one, the
+    prior priced drafts for good: kept 7 in 10 on an offloaded 30B they took decode to 0.58x, simulated)."""
 
     def __init__(self, max_drafts: int, fixed: int | None = None, decay: float = 0.9, probe: int = 32,
                  cost_prior: float = 0.1):
         self.max_drafts, self.fixed, self.decay, self.probe = max_drafts, fixed, decay, probe
-        # per draft position, decayed counts of drafts kept / drafts judged
-        self.hits, self.trials = [0.0] * max_drafts, [0.0] * max_drafts
+        # per draft position, decayed counts of drafts kept / drafts judged; the first's start at 1 in 2, a prior
+        # that fades with the evidence (a fixed one kept every rejected draft's estimate above 1 in 12)
+        self.hits, self.trials = [1.0] + [0.0] * (max_drafts - 1), [2.0] + [0.0] * (max_drafts - 1)
         self.cost = {k: 1.0 + cost_prior * k for k in range(max_drafts + 1)}  # relative to a 1-row step
         self.measured: dict[int, float] = {}  # depth -> smoothed seconds
         self.since_drafts, self.wait = 0, probe
         self.since_deeper = 0  # steps at a depth > 0 since one draft more was tried
 
-    def update(self, drafts: int, kept: int, seconds: float) -> None:
+    def update(self, drafts: int, kept: int, seconds: float | None) -> None:
+        """A step of `drafts` kept `kept` of them in `seconds` (None: a step whose time says nothing of its depth's,
+        such as one that first fed the MTP head the rows it skipped)."""
         if drafts:
             for i in range(min(kept + 1, drafts)):  # a draft after the first rejected one is not judged
                 self.hits[i] = self.decay * self.hits[i] + (i < kept)
@@ -117,30 +126,43 @@ class Depth:
             self.since_drafts = 0
         else:
             self.since_drafts += 1
-        old = self.measured.get(drafts)
-        self.measured[drafts] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        if seconds is not None:
+            old = self.measured.get(drafts)
+            self.measured[drafts] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
         if 0 in self.measured:  # a row is never free: else one slow plain step makes drafts look free for good
             for k in range(1, self.max_drafts + 1):
-                ratio = self.measured[k] / self.measured[0] if k in self.measured else self.cost[k]
+                if k in self.measured:
+                    ratio = self.measured[k] / self.measured[0]
+                else:  # rows cost what the rows below them did (a deeper depth looked nearly free)
+                    ratio = self.cost[k] if k == 1 else self.cost[k - 1] + (self.cost[k - 1] - 1) / (k - 1)
                 self.cost[k] = max(ratio, self.cost[k - 1] + ROW_FLOOR)
         if drafts:  # back to the first pace only once drafts pay; a kept draft that costs more than it yields waits
             self.wait = self.probe if self._best() else min(2 * self.wait, 32 * self.probe)
 
     def expected_tokens(self, k: int) -> float:
         """The tokens a step of k drafts yields on average."""
-        total, kept, rate = 1.0, 1.0, 0.5
-        for i in range(k):  # two steps' worth of prior: 1 in 2 for the first draft, the one before's for the rest
-            rate = (self.hits[i] + 2 * rate) / (self.trials[i] + 2)
+        total, kept, rate = 1.0, 1.0, self.hits[0] / self.trials[0]
+        for i in range(k):
+            if i:  # two steps' worth of prior: the acceptance of the draft before
+                rate = (self.hits[i] + 2 * rate) / (self.trials[i] + 2)
             kept *= rate
             total += kept
         return total
 
     def _best(self) -> int:
-        return max(range(self.max_drafts + 1), key=lambda k: self.expected_tokens(k) / self.cost[k])
+        yields = [self.expected_tokens(k) / self.cost[k] for k in range(self.max_drafts + 1)]
+        best = max(range(self.max_drafts + 1), key=yields.__getitem__)
+        known = [k for k in self.measured if k]  # depths whose cost was measured, not guessed
+        if best == 0 and known and self.since_drafts == 0 and 2 * self.hits[0] >= self.trials[0]:
+            drafting = max(known, key=yields.__getitem__)  # while the first draft is kept at least 1 in 2
+            return drafting if yields[drafting] >= STOP_BELOW else 0
+        return best
 
     def next(self) -> int:
         if self.fixed is not None:
             return self.fixed
+        if self.measured and 0 not in self.measured:
+            return 0
         best = self._best()
         if best == 0:
             return 1 if self.max_drafts and self.since_drafts >= self.wait else 0
@@ -170,18 +192,22 @@ class Speculator:
             self.head.extend(rows)
             self.head.catch_up(self.prompt)
 
-    def fused_step(self, sampler: Sampler, generated: list[int], state, limit: int) -> tuple[int, list[int]] | None:
-        """A greedy MTP step of drafts, verification and the head's next draft in one (`fused`): (its drafts, the
-        tokens to append), the states advanced; None where it cannot run so (then `propose` and a verify step)."""
-        if self.fused is None or not sampler.greedy or (k := min(self.depth.next(), limit)) <= 0:
+    def drafts(self, limit: int) -> int:
+        """How many drafts this step verifies, at most `limit`."""
+        return min(self.depth.next(), limit)
+
+    def fused_step(self, sampler: Sampler, generated: list[int], state, k: int) -> tuple[list[int], bool] | None:
+        """A greedy MTP step of `k` drafts, verification and the head's next draft in one (`fused`): (the tokens to
+        append, whether it first fed the head rows it had skipped), the states advanced; None where it cannot run so
+        (then `propose` and a verify step)."""
+        if self.fused is None or not sampler.greedy or k <= 0:
             return None
         out = self.fused.step(self.head, self.prompt, generated, state, k)
-        return None if out is None else (k, out)
+        return None if out is None else (out, self.fused.primed)
 
-    def propose(self, generated: list[int], limit: int) -> list[int]:
-        """Up to `limit` drafts to follow the prompt and `generated`; none without a host pass over the tokens
-        while the depth is 0, so that a plain step costs what it costs without speculation."""
-        k = min(self.depth.next(), limit)
+    def propose(self, generated: list[int], k: int) -> list[int]:
+        """Up to `k` drafts to follow the prompt and `generated`; none without a host pass over the tokens while
+        `k` is 0, so that a plain step costs what it costs without speculation."""
         if k <= 0:
             return []
         if self.head is not None:
@@ -189,6 +215,7 @@ class Speculator:
         self.lookup.extend(generated[len(self.lookup.tokens) - len(self.prompt):])
         return self.lookup.propose(k)
 
-    def record(self, drafts: int, kept: int, seconds: float) -> None:
-        self.depth.update(drafts, kept, seconds)
+    def record(self, drafts: int, kept: int, seconds: float, timed: bool = True) -> None:
+        """A step's outcome; one not `timed` counts in the stats but leaves its depth's cost alone."""
+        self.depth.update(drafts, kept, seconds if timed else None)
         self.stats.record(drafts, kept, seconds)

@@ -86,6 +86,39 @@ def test_depth_falls_to_zero_when_every_draft_is_rejected_and_probes():
     assert depth.wait == depth.probe
 
 
+def _fresh(steps: int, kept, cost, seed: int = 0) -> list[int]:
+    """As _drive, from a fresh depth (no plain step measured) and with kept(k, rng)."""
+    depth, rng, chosen = Depth(max_drafts=4), random.Random(seed), []
+    for _ in range(steps):
+        chosen.append(depth.next())
+        depth.update(chosen[-1], kept(chosen[-1], rng), cost(chosen[-1]))
+    return chosen
+
+
+def test_rejected_drafts_stop_soon_even_when_cheap():
+    """A row at 10% of a step, every draft rejected: the prior's 1 in 2 fades with the evidence (fixed, it kept the
+    estimate above 1 in 12, and drafts at 8% looked worth their cost)."""
+    chosen = _fresh(200, lambda k, rng: 0, lambda k: 1.0 + 0.1 * k)
+    assert sum(k > 0 for k in chosen[:40]) <= 8 and sum(k > 0 for k in chosen[40:]) <= 4, chosen
+
+
+def test_kept_drafts_that_cost_more_than_they_yield_are_measured_and_stopped():
+    """Drafts kept 7 in 10 a position at 0.9 of a step a row: a plain step is measured once drafts have run, and
+    the depth falls to 0 (without one the prior's 0.1 a row priced them for good: 0.58x plain, simulated)."""
+    def kept(k, rng):
+        return next((i for i in range(k) if rng.random() >= 0.7), k)
+
+    chosen = _fresh(300, kept, lambda k: 1.0 + 0.9 * k)
+    assert 0 in chosen[:4] and chosen[100:].count(0) >= 180, chosen
+
+
+def test_an_untimed_step_counts_its_drafts_but_not_its_cost():
+    depth = Depth(max_drafts=4)
+    depth.update(0, 0, 1.0)
+    depth.update(2, 2, None)  # e.g. a step that first fed the MTP head the rows it had skipped
+    assert 2 not in depth.measured and depth.trials[1] == 1.0
+
+
 def test_depth_grows_when_drafts_are_kept_and_cheap():
     depth = Depth(max_drafts=4)
     depth.update(0, 0, 1.0)

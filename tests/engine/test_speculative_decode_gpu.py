@@ -34,7 +34,7 @@ def test_gpu_greedy_tokens_with_drafts_are_the_plain_ones(tiny, tmp_path, model_
         s = dict(setting)
         if "pool_gb" in s:
             s["pool_gb"] = (2 if s["pool_gb"] == "min" else 16) * _record_gb(1) * 1.0001
-        for drafts in (None, 3) if not setting else (None,):
+        for drafts in (None, 3) if not setting else (2,):  # offloaded, adaptive depth may rightly stop drafting
             llm = LLM(store, device="cuda", dtype="bfloat16", speculation="lookup", drafts=drafts, **s)
             try:
                 got = llm.generate([prompt], params)[0].token_ids
