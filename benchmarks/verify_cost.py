@@ -86,16 +86,19 @@ def fused_ms(llm: LLM, tokens: int = 64) -> dict[int, float]:
     for k in range(1, MAX_DRAFTS + 1):
         llm.depth, llm.spec_stats = Depth(llm.engine_config.max_drafts, k), SpecStats()
         for _ in range(2):  # the first captures the step's graph
-            llm.generate([list(range(1000, 1064))], SamplingParams(max_tokens=tokens, ignore_eos=True))
+            llm.generate([prompt_of(llm)], SamplingParams(max_tokens=tokens, ignore_eos=True))
         ms[k] = llm.spec_stats.as_dict()["step_ms"][k]
     llm.depth = Depth(llm.engine_config.max_drafts, llm.engine_config.drafts)
     return ms
 
 
+def prompt_of(llm: LLM) -> list[int]:
+    return [i % llm.config.vocab_size for i in range(1000, 1064)]
+
+
 def decode_tok_s(llm: LLM, tokens: int) -> float:
-    prompt = [i % llm.config.vocab_size for i in range(1000, 1064)]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    return llm.generate([prompt], params)[0].stats["timings"]["decode_tok_s"]
+    return llm.generate([prompt_of(llm)], params)[0].stats["timings"]["decode_tok_s"]
 
 
 def all_rejected(llm: LLM, spec: str, rounds: int = 5, tokens: int = 128) -> dict:
