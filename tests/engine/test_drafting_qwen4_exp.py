@@ -36,14 +36,16 @@ def test_the_heads_static_steps_are_its_eager_forward(tiny):
         llm.close()
 
 
+@pytest.mark.parametrize("drafts", [None, 3])
 @pytest.mark.parametrize("tier", ["resident", "pool + host", "pool + disk"])
-def test_greedy_tokens_with_its_drafts_are_the_plain_ones(tiny, tier, monkeypatch):
+def test_greedy_tokens_with_its_drafts_are_the_plain_ones(tiny, tier, drafts, monkeypatch):
     """The head runs as it would, and its logits are then swapped for the plain output with every third one wrong
     (a random head's are rarely kept), so that steps keep all, some and none of them."""
-    greedy_with_oracle_drafts(tiny, "cpu", tier, monkeypatch)
+    greedy_with_oracle_drafts(tiny, "cpu", tier, monkeypatch, drafts)
 
 
-def greedy_with_oracle_drafts(tiny, device: str, tier: str, monkeypatch) -> list[tuple[int, bool]]:
+def greedy_with_oracle_drafts(tiny, device: str, tier: str, monkeypatch,
+                              drafts: int | None = None) -> list[tuple[int, bool]]:
     """Asserts the plain tokens; returns the head's graphs. The oracle is device work (a row at position p guesses
     x[p+2] from a table), so it runs inside captured steps, the whole fused step's (drafting.py) included."""
     llm = _llm(tiny, device)
@@ -66,7 +68,7 @@ def greedy_with_oracle_drafts(tiny, device: str, tier: str, monkeypatch) -> list
     monkeypatch.setattr(HeadDecoder, "_run", oracle)
     options = {"resident": {}, "pool + host": dict(pool_gb=records / 4e9, host_gb=1.0),
                "pool + disk": dict(pool_gb=records / 4e9, host_gb=0)}[tier]
-    llm = _llm(tiny, device, speculation="mtp", **options)
+    llm = _llm(tiny, device, speculation="mtp", drafts=drafts, **options)
     try:
         assert llm.generate([prompt], PARAMS)[0].token_ids == want
         spec, graphs = llm.stats()["speculation"], sorted(llm.head.graphs)
