@@ -57,8 +57,9 @@ for r in json.load(open('/tmp/spec.json'))]" | tee -a "$OUT/ab-speculation.log"
 }
 ab_verify() {
   timeout 240 python -m benchmarks.verify_cost /tmp/vc.json --mtp > /dev/null 2>&1 && python -c "import json; \
-[print('$tag', r['mode'], '| all rejected', round(r['decode_tok_s_spec_all_rejected']), 'off', \
-round(r['decode_tok_s_spec_off']), r['speculation']['proposed']) for r in json.load(open('/tmp/vc.json'))]" \
+[print('$tag', r['mode'], '| all rejected', round(r['decode_tok_s_spec_all_rejected']), 'depth 0', \
+round(r['decode_tok_s_spec_depth_0']), 'off', round(r['decode_tok_s_spec_off']), r['speculation']['proposed']) \
+for r in json.load(open('/tmp/vc.json'))]" \
     | tee -a "$OUT/ab-verify.log"
 }
 e2e() {  # e2e SECONDS LOG ARGS...: the end-to-end probe on the 30B store (E2E_ARGS adds options)

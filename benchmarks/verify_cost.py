@@ -1,10 +1,10 @@
 """What a verify step of k drafts (k+1 rows) costs against a one-row decode step, k = 1..MAX_DRAFTS, resident and with a
 25% pool + host tier; and greedy decode with speculation on but every draft wrong (adaptive depth should turn drafts
-off) against speculation off, a request of each in turn, five rounds. Random weights, so drafts are forced: the rows'
-cost does not depend on whether they are accepted. With `--mtp` the store has an MTP head, drafts come from it (the
-all-rejected run pays its steps too), and a head step's own cost is timed: what a draft costs beside the verify step
-that checks it; and the whole greedy step of k drafts (drafts, verification, the head's next draft: one graph) at
-each fixed k.
+off) against speculation off and against it on at a depth fixed at 0, a request of each in turn, five rounds. Random
+weights, so drafts are forced: the rows' cost does not depend on whether they are accepted. With `--mtp` the store
+has an MTP head, drafts come from it (the all-rejected run pays its steps too), and a head step's own cost is timed:
+what a draft costs beside the verify step that checks it; and the whole greedy step of k drafts (drafts,
+verification, the head's next draft: one graph) at each fixed k.
 
   python -m benchmarks.verify_cost OUT.json --geometry qwen3-30b --layers 8 [--mtp]
 """
@@ -102,22 +102,28 @@ def decode_tok_s(llm: LLM, tokens: int) -> float:
 
 
 def all_rejected(llm: LLM, spec: str, rounds: int = 5, tokens: int = 128) -> dict:
-    """Greedy decode with speculation on and every draft rejected against speculation off, a request of each a
-    round, interleaved so that the machine's drift falls on both; the depth carries over from round to round as
-    from request to request (the first round's pays its early drafts): each round's tok/s, the medians, and the
-    speculation counters of the rounds with it on."""
+    """Greedy decode with speculation on and every draft rejected against speculation off, and against it on at a
+    depth fixed at 0 (what its bookkeeping alone costs), a request of each a round, interleaved so that the
+    machine's drift falls on all; the depth carries over from round to round as from request to request (the first
+    round's pays its early drafts): each round's tok/s, the medians, and the counters of the rounds with drafts."""
     on_config, off_config = llm.engine_config, dataclasses.replace(llm.engine_config, speculation="off")
-    llm.spec_stats = type(llm.spec_stats)()
-    on, off = [], []
+    depth, stats = llm.depth, type(llm.spec_stats)()
+    tok_s = {"all_rejected": [], "off": [], "depth_0": []}
     for _ in range(rounds):
         undo = reject_every_draft(spec, llm.config.vocab_size - 1)
-        on.append(decode_tok_s(llm, tokens))
+        llm.depth, llm.spec_stats = depth, stats
+        tok_s["all_rejected"].append(decode_tok_s(llm, tokens))
+        llm.depth, llm.spec_stats = Depth(depth.max_drafts, 0), SpecStats()
+        tok_s["depth_0"].append(decode_tok_s(llm, tokens))
         undo()
         llm.engine_config = off_config
-        off.append(decode_tok_s(llm, tokens))
+        tok_s["off"].append(decode_tok_s(llm, tokens))
         llm.engine_config = on_config
-    return {"decode_tok_s_spec_all_rejected": statistics.median(on), "decode_tok_s_spec_off": statistics.median(off),
-            "rounds_tok_s": {"all_rejected": on, "off": off}, "speculation": llm.spec_stats.as_dict()}
+    llm.depth, llm.spec_stats = depth, stats
+    return {"decode_tok_s_spec_all_rejected": statistics.median(tok_s["all_rejected"]),
+            "decode_tok_s_spec_off": statistics.median(tok_s["off"]),
+            "decode_tok_s_spec_depth_0": statistics.median(tok_s["depth_0"]),
+            "rounds_tok_s": tok_s, "speculation": stats.as_dict()}
 
 
 def main() -> None:

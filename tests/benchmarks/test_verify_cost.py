@@ -38,5 +38,5 @@ def test_all_rejected_interleaves_speculation_on_and_off(tiny):
     finally:
         llm.close()
     assert llm.engine_config is config and PromptLookup.propose is propose
-    assert [len(v) for v in out["rounds_tok_s"].values()] == [2, 2]
+    assert [len(v) for v in out["rounds_tok_s"].values()] == [2, 2, 2]
     assert out["speculation"]["steps"] == 2 * 5 and sum(out["speculation"]["accepted"]) == 0, out
