@@ -107,7 +107,7 @@ def all_rejected(llm: LLM, spec: str, rounds: int = 5, tokens: int = 128) -> dic
     machine's drift falls on all; the depth carries over from round to round as from request to request (the first
     round's pays its early drafts): each round's tok/s, the medians, and the counters of the rounds with drafts."""
     on_config, off_config = llm.engine_config, dataclasses.replace(llm.engine_config, speculation="off")
-    depth, stats = llm.depth, type(llm.spec_stats)()
+    depth, stats = llm.depth, SpecStats()
     tok_s = {"all_rejected": [], "off": [], "depth_0": []}
     for _ in range(rounds):
         undo = reject_every_draft(spec, llm.config.vocab_size - 1)

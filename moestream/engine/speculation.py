@@ -152,10 +152,10 @@ class Depth:
     def _best(self) -> int:
         yields = [self.expected_tokens(k) / self.cost[k] for k in range(self.max_drafts + 1)]
         best = max(range(self.max_drafts + 1), key=yields.__getitem__)
-        known = [k for k in self.measured if k]  # depths whose cost was measured, not guessed
-        if best == 0 and known and self.since_drafts == 0 and 2 * self.hits[0] >= self.trials[0]:
-            drafting = max(known, key=yields.__getitem__)  # while the first draft is kept at least 1 in 2
-            return drafting if yields[drafting] >= STOP_BELOW else 0
+        if best == 0 and self.since_drafts == 0 and 2 * self.hits[0] >= self.trials[0]:  # first kept >= 1 in 2
+            known = [k for k in self.measured if k]  # depths whose cost was measured, not guessed
+            drafting = max(known, key=yields.__getitem__, default=0)
+            return drafting if drafting and yields[drafting] >= STOP_BELOW else 0
         return best
 
     def next(self) -> int:
