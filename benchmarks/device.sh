@@ -60,7 +60,7 @@ ab_verify() {
 [print('$tag', r['mode'], '| all rejected', round(r['decode_tok_s_spec_all_rejected']), 'depth 0', \
 round(r['decode_tok_s_spec_depth_0']), 'off', round(r['decode_tok_s_spec_off']), r['speculation']['proposed']) \
 for r in json.load(open('/tmp/vc.json'))]" \
-    | tee -a "$OUT/ab-verify.log"
+    | tee -a "$OUT/ab-verify.log" && cp /tmp/vc.json "$OUT/verify-$tag-$(date +%H%M%S).json"
 }
 e2e() {  # e2e SECONDS LOG ARGS...: the end-to-end probe on the 30B store (E2E_ARGS adds options)
   local limit=$1 log=$2; shift 2

@@ -1,6 +1,6 @@
 """What a verify step of k drafts (k+1 rows) costs against a one-row decode step, k = 1..MAX_DRAFTS, resident and with a
 25% pool + host tier; and greedy decode with speculation on but every draft wrong (adaptive depth should turn drafts
-off) against speculation off and against it on at a depth fixed at 0, a request of each in turn, five rounds. Random
+off) against speculation off and against it on at a depth fixed at 0, a request of each in turn, nine rounds. Random
 weights, so drafts are forced: the rows' cost does not depend on whether they are accepted. With `--mtp` the store
 has an MTP head, drafts come from it (the all-rejected run pays its steps too), and a head step's own cost is timed:
 what a draft costs beside the verify step that checks it; and the whole greedy step of k drafts (drafts,
@@ -101,7 +101,7 @@ def decode_tok_s(llm: LLM, tokens: int) -> float:
     return llm.generate([prompt_of(llm)], params)[0].stats["timings"]["decode_tok_s"]
 
 
-def all_rejected(llm: LLM, spec: str, rounds: int = 5, tokens: int = 128) -> dict:
+def all_rejected(llm: LLM, spec: str, rounds: int = 9, tokens: int = 128) -> dict:
     """Greedy decode with speculation on and every draft rejected against speculation off, and against it on at a
     depth fixed at 0 (what its bookkeeping alone costs), a request of each a round, interleaved so that the
     machine's drift falls on all; the depth carries over from round to round as from request to request (the first

@@ -103,7 +103,9 @@ class Depth:
     as long after each probe that did not make them pay (up to 32x). Drafting, it tries one draft more every
     `probe` steps: else a position judged unlucky early is never judged again, and the depth stays below its best.
     A plain step runs once drafts have run, so that their measured cost is what judges them (without one, the
-    prior priced drafts for good: kept 7 in 10 on an offloaded 30B they took decode to 0.58x, simulated)."""
+    prior priced drafts for good: kept 7 in 10 on an offloaded 30B they took decode to 0.58x, simulated). Between
+    plain steps the choice stands until the next probe: only drafts or a first plain cost are new evidence, and a
+    plain step's host work is what every step pays when drafts never pay."""
 
     def __init__(self, max_drafts: int, fixed: int | None = None, decay: float = 0.9, probe: int = 32,
                  cost_prior: float = 0.1):
@@ -115,6 +117,7 @@ class Depth:
         self.measured: dict[int, float] = {}  # depth -> smoothed seconds
         self.since_drafts, self.wait = 0, probe
         self.since_deeper = 0  # steps at a depth > 0 since one draft more was tried
+        self.choice: int | None = None  # the best depth, while no new evidence came
 
     def update(self, drafts: int, kept: int, seconds: float | None) -> None:
         """A step of `drafts` kept `kept` of them in `seconds` (None: a step whose time says nothing of its depth's,
@@ -129,15 +132,22 @@ class Depth:
         if seconds is not None:
             old = self.measured.get(drafts)
             self.measured[drafts] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        if 0 in self.measured:  # a row is never free: else one slow plain step makes drafts look free for good
-            for k in range(1, self.max_drafts + 1):
-                if k in self.measured:
-                    ratio = self.measured[k] / self.measured[0]
-                else:  # rows cost what the rows below them did (a deeper depth looked nearly free)
-                    ratio = self.cost[k] if k == 1 else self.cost[k - 1] + (self.cost[k - 1] - 1) / (k - 1)
-                self.cost[k] = max(ratio, self.cost[k - 1] + ROW_FLOOR)
+            if old is None:
+                self.choice = None
         if drafts:  # back to the first pace only once drafts pay; a kept draft that costs more than it yields waits
-            self.wait = self.probe if self._best() else min(2 * self.wait, 32 * self.probe)
+            self.choice = self._best()
+            self.wait = self.probe if self.choice else min(2 * self.wait, 32 * self.probe)
+
+    def _price(self) -> None:
+        """Each depth's cost relative to a plain step, from the measured ones."""
+        if 0 not in self.measured:
+            return
+        for k in range(1, self.max_drafts + 1):  # a row is never free: else one slow plain step makes drafts free
+            if k in self.measured:
+                ratio = self.measured[k] / self.measured[0]
+            else:  # rows cost what the rows below them did (a deeper depth looked nearly free)
+                ratio = self.cost[k] if k == 1 else self.cost[k - 1] + (self.cost[k - 1] - 1) / (k - 1)
+            self.cost[k] = max(ratio, self.cost[k - 1] + ROW_FLOOR)
 
     def expected_tokens(self, k: int) -> float:
         """The tokens a step of k drafts yields on average."""
@@ -150,6 +160,7 @@ class Depth:
         return total
 
     def _best(self) -> int:
+        self._price()
         yields = [self.expected_tokens(k) / self.cost[k] for k in range(self.max_drafts + 1)]
         best = max(range(self.max_drafts + 1), key=yields.__getitem__)
         if best == 0 and self.since_drafts == 0 and 2 * self.hits[0] >= self.trials[0]:  # first kept >= 1 in 2
@@ -163,7 +174,9 @@ class Depth:
             return self.fixed
         if self.measured and 0 not in self.measured:
             return 0
-        best = self._best()
+        if self.choice is None:
+            self.choice = self._best()
+        best = self.choice
         if best == 0:
             return 1 if self.max_drafts and self.since_drafts >= self.wait else 0
         self.since_deeper += 1

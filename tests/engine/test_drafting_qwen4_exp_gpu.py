@@ -12,4 +12,4 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["resident", "pool + host"])
 def test_gpu_greedy_tokens_with_its_drafts_are_the_plain_ones(tiny, tier, drafts, monkeypatch):
     graphs = greedy_with_oracle_drafts(tiny, "cuda", tier, monkeypatch, drafts)
-    assert graphs == [(rows, False) for rows in range(1, 6)], graphs
+    assert graphs == [(rows, False) for rows in range(1, 2 + (drafts or 4))], graphs  # k drafts: up to k+1 rows
