@@ -93,6 +93,7 @@ ROW_FLOOR = 0.02  # the least a verify row costs, relative to a one-row step
 # decode's tokens a second: acceptance decayed over ~10 steps is too noisy to judge a thin margin, and a depth
 # fallen to 0 climbs back slowly
 STOP_BELOW = 0.85
+REPRICE = 0.05  # a plain step's cost moved by this share since the depth was chosen: choose again
 
 
 class Depth:
@@ -104,8 +105,8 @@ class Depth:
     `probe` steps: else a position judged unlucky early is never judged again, and the depth stays below its best.
     A plain step runs once drafts have run, so that their measured cost is what judges them (without one, the
     prior priced drafts for good: kept 7 in 10 on an offloaded 30B they took decode to 0.58x, simulated). Between
-    plain steps the choice stands until the next probe: only drafts or a first plain cost are new evidence, and a
-    plain step's host work is what every step pays when drafts never pay."""
+    plain steps the choice stands while the plain cost it was priced on holds (within REPRICE): a plain step's host
+    work is what every step pays when drafts never pay."""
 
     def __init__(self, max_drafts: int, fixed: int | None = None, decay: float = 0.9, probe: int = 32,
                  cost_prior: float = 0.1):
@@ -118,6 +119,7 @@ class Depth:
         self.since_drafts, self.wait = 0, probe
         self.since_deeper = 0  # steps at a depth > 0 since one draft more was tried
         self.choice: int | None = None  # the best depth, while no new evidence came
+        self.priced_at = 0.0  # the plain step's seconds when it was chosen
 
     def update(self, drafts: int, kept: int, seconds: float | None) -> None:
         """A step of `drafts` kept `kept` of them in `seconds` (None: a step whose time says nothing of its depth's,
@@ -132,7 +134,7 @@ class Depth:
         if seconds is not None:
             old = self.measured.get(drafts)
             self.measured[drafts] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-            if old is None:
+            if drafts == 0 and abs(self.measured[0] - self.priced_at) > REPRICE * self.priced_at:
                 self.choice = None
         if drafts:  # back to the first pace only once drafts pay; a kept draft that costs more than it yields waits
             self.choice = self._best()
@@ -161,6 +163,7 @@ class Depth:
 
     def _best(self) -> int:
         self._price()
+        self.priced_at = self.measured.get(0, 0.0)
         yields = [self.expected_tokens(k) / self.cost[k] for k in range(self.max_drafts + 1)]
         best = max(range(self.max_drafts + 1), key=yields.__getitem__)
         if best == 0 and self.since_drafts == 0 and 2 * self.hits[0] >= self.trials[0]:  # first kept >= 1 in 2
