@@ -119,6 +119,20 @@ def test_an_untimed_step_counts_its_drafts_but_not_its_cost():
     assert 2 not in depth.measured and depth.trials[1] == 1.0
 
 
+def test_depth_chooses_again_when_the_plain_cost_it_was_priced_on_moves():
+    """A first plain step faster than the rest stops a kept draft; as the plain cost settles the draft pays again,
+    well before the next probe (the choice kept until a probe, eager decode drafted 3 times in 40 tokens)."""
+    depth = Depth(max_drafts=1, probe=100)
+    depth.update(1, 1, 1.5)
+    assert depth.next() == 0  # a plain step to price the draft
+    depth.update(0, 0, 0.7)
+    chosen = []
+    for _ in range(20):
+        chosen.append(depth.next())
+        depth.update(chosen[-1], chosen[-1], 1.5 if chosen[-1] else 1.0)
+    assert chosen[0] == 0 and 1 in chosen, chosen
+
+
 def test_depth_grows_when_drafts_are_kept_and_cheap():
     depth = Depth(max_drafts=4)
     depth.update(0, 0, 1.0)
