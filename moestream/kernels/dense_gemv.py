@@ -42,12 +42,43 @@ class Route:
     ids_out: torch.Tensor | None = None  # where the ids land ([T * top_k] int64), else a new tensor
 
 
+@dataclass(frozen=True)
+class Heads:
+    """An attention layer's [q | k | v] launch also runs its glue (rowwise.qk_norm_rope_cache's arguments but qkv):
+    returns q [T, heads, head_dim] beside y, the cache rows written."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    zero_centered: bool
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    position: torch.Tensor
+    maps: torch.Tensor | list[torch.Tensor] | None = None
+
+    def fit(self, weight: torch.Tensor) -> bool:
+        """Whether each weight block lies in one head (its last block to finish writes the head)."""
+        n, k = weight.shape
+        q_width = n - 2 * self.kv_heads * self.head_dim
+        bn = plan(n, k)[0]
+        return q_width % self.heads == 0 and self.head_dim % bn == 0 and (q_width // self.heads) % bn == 0
+
+
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               up: torch.Tensor | None = None, route: Route | None = None):
+               up: torch.Tensor | None = None, route: Route | None = None, heads: Heads | None = None):
     """x [T, K] (T <= 16, rows of any stride) -> [T, N] = x @ weight.T (+ bias); weight [N, K] contiguous. With `up`
     (x's shape and strides), the input is silu(x) * up instead (the down projection of a SwiGLU MLP, its gate and
     up products never stored). A row's bits are the same whatever T is: the tiles depend on the weight's shape
-    only, and every launch computes 16 rows. With `route`, (y, routing weights [T, top_k], ids [T, top_k])."""
+    only, and every launch computes 16 rows. With `route`, (y, routing weights [T, top_k], ids [T, top_k]); with
+    `heads` (`heads.fit(weight)`), (y, q)."""
+    import triton
+
+    from moestream.kernels.decode_attention import map_args
     from moestream.kernels.triton.dense_gemv import dense_rows_kernel
 
     t, k = x.shape
@@ -70,8 +101,25 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if route is not None:
         shape = dict(ROUTE=True, E=route.experts, E_BLOCK=1 << (route.experts - 1).bit_length(), TOP_K=route.top_k,
                      K_BLOCK=1 << (route.top_k - 1).bit_length(), NORMALISE=route.normalise)
+    glue, q = dict(ATTEND=False, HEADS=1, KV_HEADS=1, D=1, Q_STRIDE=1, ROT=2, D_BLOCK=1, QK_NORM=False,
+                   ZERO_CENTERED=False, MAP=False, OFFSETS=False), y
+    pointers, eps = (y,) * 11, 0.0
+    if heads is not None:
+        h = heads
+        row_map, offsets, mapped, per_token = map_args(h.maps, h.position)
+        q = torch.empty(t, h.heads, h.head_dim, dtype=x.dtype, device=x.device)
+        q_width = n - 2 * h.kv_heads * h.head_dim
+        head_counts = arrival_counts(("dense_gemv heads", weight.data_ptr()), h.heads + 2 * h.kv_heads, x.device)
+        pointers = (y if h.q_norm is None else h.q_norm, y if h.k_norm is None else h.k_norm, h.cos.contiguous(),
+                    h.sin.contiguous(), q, h.k_cache, h.v_cache, h.position, row_map, offsets, head_counts)
+        eps = h.eps
+        glue = dict(ATTEND=True, HEADS=h.heads, KV_HEADS=h.kv_heads, D=h.head_dim, Q_STRIDE=q_width // h.heads,
+                    ROT=h.cos.shape[-1], D_BLOCK=triton.next_power_of_2(h.head_dim), QK_NORM=h.q_norm is not None,
+                    ZERO_CENTERED=h.zero_centered, MAP=mapped, OFFSETS=per_token)
     dense_rows_kernel[(-(-n // bn), splits)](
         x, x if up is None else up, weight, bias_or_any, y, part, counts, *(routed or (y, y)), t, n, x.stride(0),
-        K=k, BN=bn, BK=BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None, **shape,
-        num_warps=4, num_stages=3)
+        *pointers, eps, K=k, BN=bn, BK=BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None,
+        **shape, **glue, num_warps=4, num_stages=3)
+    if heads is not None:
+        return y, q
     return y if route is None else (y, *routed)

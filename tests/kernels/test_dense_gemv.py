@@ -120,3 +120,46 @@ def test_a_routers_launch_routes_its_rows(n, k, experts, top_k, rows):
         want_weights, want_ids = rowwise.route(y[:, :experts], top_k, True, DTYPE)
         assert ids.data_ptr() == ids_out.data_ptr() and torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_weights)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rot,gated,k,rows,paged", [
+    (32, 4, 128, 128, False, 2048, 1, False),  # 30B: K split 8 ways, two blocks a head
+    (8, 2, 256, 64, True, 2560, 3, True),  # Flash-Next-like: gate halves, partial rotary, each row its own map
+    (4, 4, 64, 64, False, 96, 2, False)])  # a block a head, K unsplit
+def test_a_qkv_launch_writes_the_heads_as_the_glue_kernel_does(heads, kv_heads, head_dim, rot, gated, k, rows, paged):
+    """With `heads`, each head's last block to finish norms, rotates and writes it: the same product, and q and the
+    cache rows of the glue kernel launched apart (rowwise.qk_norm_rope_cache), every other cache row untouched,
+    launch after launch."""
+    pytest.importorskip("triton")
+    from moestream.kernels import rowwise
+    from moestream.kernels.dense_gemv import Heads, dense_gemv
+    from moestream.layers.rotary import Rotary
+
+    gen = torch.Generator().manual_seed(11)
+    n = heads * head_dim * (2 if gated else 1) + 2 * kv_heads * head_dim
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, DTYPE)
+    norms = [(torch.randn(head_dim, generator=gen) * 0.1 + 1).to(DEVICE, DTYPE) for _ in range(2)]
+    position = torch.tensor([5, 0, 8][:rows], device=DEVICE)
+    cos, sin = (t.to(DEVICE) for t in Rotary(head_dim, rot / head_dim, 1e6).cos_sin(position, DTYPE))
+    slots = 27 if paged else 9
+    maps = list(torch.randperm(27, generator=gen).to(DEVICE).view(3, 9))[:rows] if paged else None
+    caches = [torch.full((slots, kv_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE) for _ in range(4)]
+    glue = (heads, kv_heads, head_dim, *norms, 1e-6, gated, cos, sin)
+    want_y = dense_gemv(x, w, None)
+    want_q = rowwise.qk_norm_rope_cache(want_y, *glue, caches[2], caches[3], position, maps)
+    fused = Heads(*glue, caches[0], caches[1], position, maps)
+    assert fused.fit(w)
+    for _ in range(2):
+        y, q = dense_gemv(x, w, None, heads=fused)
+        assert torch.equal(y, want_y) and torch.equal(q, want_q)
+        for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_a_qkv_launch_runs_apart_where_a_block_spans_heads():
+    from moestream.kernels.dense_gemv import Heads
+
+    w = torch.zeros(16 * 32 + 2 * 2 * 32, 256)  # head_dim 32 against blocks of 64 rows
+    glue = (None,) * 2 + (1e-6, False) + (torch.zeros(1, 32),) * 2 + (torch.zeros(1),) * 3
+    assert not Heads(16, 2, 32, *glue).fit(w)
