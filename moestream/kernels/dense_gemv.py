@@ -76,8 +76,6 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     up products never stored). A row's bits are the same whatever T is: the tiles depend on the weight's shape
     only, and every launch computes 16 rows. With `route`, (y, routing weights [T, top_k], ids [T, top_k]); with
     `heads` (`heads.fit(weight)`), (y, q)."""
-    import triton
-
     from moestream.kernels.decode_attention import map_args
     from moestream.kernels.triton.dense_gemv import dense_rows_kernel
 
@@ -114,7 +112,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     h.sin.contiguous(), q, h.k_cache, h.v_cache, h.position, row_map, offsets, head_counts)
         eps = h.eps
         glue = dict(ATTEND=True, HEADS=h.heads, KV_HEADS=h.kv_heads, D=h.head_dim, Q_STRIDE=q_width // h.heads,
-                    ROT=h.cos.shape[-1], D_BLOCK=triton.next_power_of_2(h.head_dim), QK_NORM=h.q_norm is not None,
+                    ROT=h.cos.shape[-1], D_BLOCK=1 << (h.head_dim - 1).bit_length(), QK_NORM=h.q_norm is not None,
                     ZERO_CENTERED=h.zero_centered, MAP=mapped, OFFSETS=per_token)
     dense_rows_kernel[(-(-n // bn), splits)](
         x, x if up is None else up, weight, bias_or_any, y, part, counts, *(routed or (y, y)), t, n, x.stride(0),
