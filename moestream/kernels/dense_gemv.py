@@ -5,7 +5,7 @@ row read the weights once per 4 rows: 16 rows cost 4-8x one)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -76,7 +76,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     up products never stored). A row's bits are the same whatever T is: the tiles depend on the weight's shape
     only, and every launch computes 16 rows. With `route`, (y, routing weights [T, top_k], ids [T, top_k]); with
     `heads` (`heads.fit(weight)`), (y, q)."""
-    from moestream.kernels.decode_attention import map_args
+    from moestream.kernels.rowwise import qk_glue
     from moestream.kernels.triton.dense_gemv import dense_rows_kernel
 
     t, k = x.shape
@@ -99,24 +99,15 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if route is not None:
         shape = dict(ROUTE=True, E=route.experts, E_BLOCK=1 << (route.experts - 1).bit_length(), TOP_K=route.top_k,
                      K_BLOCK=1 << (route.top_k - 1).bit_length(), NORMALISE=route.normalise)
-    glue, q = dict(ATTEND=False, HEADS=1, KV_HEADS=1, D=1, Q_STRIDE=1, ROT=2, D_BLOCK=1, QK_NORM=False,
-                   ZERO_CENTERED=False, MAP=False, OFFSETS=False), y
-    pointers, eps = (y,) * 11, 0.0
+    glue, q, glue_args = dict(ATTEND=False, HEADS=1, KV_HEADS=1, D=1, Q_STRIDE=1, ROT=2, D_BLOCK=1, QK_NORM=False,
+                              ZERO_CENTERED=False, MAP=False, OFFSETS=False), y, (y,) * 11 + (0.0,)
     if heads is not None:
-        h = heads
-        row_map, offsets, mapped, per_token = map_args(h.maps, h.position)
-        q = torch.empty(t, h.heads, h.head_dim, dtype=x.dtype, device=x.device)
-        q_width = n - 2 * h.kv_heads * h.head_dim
-        head_counts = arrival_counts(("dense_gemv heads", weight.data_ptr()), h.heads + 2 * h.kv_heads, x.device)
-        pointers = (y if h.q_norm is None else h.q_norm, y if h.k_norm is None else h.k_norm, h.cos.contiguous(),
-                    h.sin.contiguous(), q, h.k_cache, h.v_cache, h.position, row_map, offsets, head_counts)
-        eps = h.eps
-        glue = dict(ATTEND=True, HEADS=h.heads, KV_HEADS=h.kv_heads, D=h.head_dim, Q_STRIDE=q_width // h.heads,
-                    ROT=h.cos.shape[-1], D_BLOCK=1 << (h.head_dim - 1).bit_length(), QK_NORM=h.q_norm is not None,
-                    ZERO_CENTERED=h.zero_centered, MAP=mapped, OFFSETS=per_token)
+        q, args, constants = qk_glue(y, *(getattr(heads, f.name) for f in fields(heads)))
+        count = arrival_counts(("dense_gemv heads", weight.data_ptr()), heads.heads + 2 * heads.kv_heads, x.device)
+        glue, glue_args = dict(ATTEND=True, **constants), (count, *args)
     dense_rows_kernel[(-(-n // bn), splits)](
         x, x if up is None else up, weight, bias_or_any, y, part, counts, *(routed or (y, y)), t, n, x.stride(0),
-        *pointers, eps, K=k, BN=bn, BK=BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None,
+        *glue_args, K=k, BN=bn, BK=BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None,
         **shape, **glue, num_warps=4, num_stages=3)
     if heads is not None:
         return y, q

@@ -14,8 +14,8 @@ from moestream.kernels.triton.rowwise import qk_head, top_k_rows
 
 @triton.jit
 def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrivals_ptr, route_w_ptr, route_ids_ptr, T, N,
-                      stride_x, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, map_ptr,
-                      moff_ptr, head_counts_ptr, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      stride_x, head_counts_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                      pos_ptr, map_ptr, moff_ptr, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       SPAN: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
                       ROUTE: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                       K_BLOCK: tl.constexpr, NORMALISE: tl.constexpr, ATTEND: tl.constexpr, HEADS: tl.constexpr,

@@ -121,19 +121,19 @@ def top_k_rows(logits, E: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr
 @triton.jit
 def qk_norm_rope_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
                               map_ptr, moff_ptr, eps, QKV_ROW, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                              D: tl.constexpr, Q_STRIDE: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
+                              D: tl.constexpr, Q_STRIDE: tl.constexpr, ROT: tl.constexpr, D_BLOCK: tl.constexpr,
                               QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, MAP: tl.constexpr,
                               OFFSETS: tl.constexpr):
     """Decode tokens' attention glue, program (h, t) = qk_head h of token t."""
     qk_head(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, map_ptr, moff_ptr,
-            eps, QKV_ROW, tl.program_id(0), tl.program_id(1), HEADS, KV_HEADS, D, Q_STRIDE, ROT, BLOCK, QK_NORM,
+            eps, QKV_ROW, tl.program_id(0), tl.program_id(1), HEADS, KV_HEADS, D, Q_STRIDE, ROT, D_BLOCK, QK_NORM,
             ZERO_CENTERED, MAP, OFFSETS, "")
 
 
 @triton.jit
 def qk_head(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, map_ptr, moff_ptr,
             eps, QKV_ROW, h, t, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-            Q_STRIDE: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
+            Q_STRIDE: tl.constexpr, ROT: tl.constexpr, D_BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
             ZERO_CENTERED: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr, CACHE: tl.constexpr):
     """One head h of token t's fused [q | k | v] projection row (QKV_ROW apart): q heads (every Q_STRIDE, gate
     halves skipped) and k heads are RMS-normed (QK_NORM) and rotated into q / the cache row of position pos[t]; v
@@ -149,7 +149,7 @@ def qk_head(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cac
     cos_ptr += t * ROT
     sin_ptr += t * ROT
     q_ptr += t * HEADS * D
-    d = tl.arange(0, BLOCK)
+    d = tl.arange(0, D_BLOCK)
     inside = d < D
     dt = qkv_ptr.dtype.element_ty
     Q_WIDTH: tl.constexpr = HEADS * Q_STRIDE
