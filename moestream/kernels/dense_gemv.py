@@ -5,7 +5,7 @@ row read the weights once per 4 rows: 16 rows cost 4-8x one)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -42,41 +42,12 @@ class Route:
     ids_out: torch.Tensor | None = None  # where the ids land ([T * top_k] int64), else a new tensor
 
 
-@dataclass(frozen=True)
-class Heads:
-    """An attention layer's [q | k | v] launch also runs its glue (rowwise.qk_norm_rope_cache's arguments but qkv):
-    returns q [T, heads, head_dim] beside y, the cache rows written."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    zero_centered: bool
-    cos: torch.Tensor
-    sin: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    position: torch.Tensor
-    maps: torch.Tensor | list[torch.Tensor] | None = None
-
-    def fit(self, weight: torch.Tensor) -> bool:
-        """Whether each weight block lies in one head (its last block to finish writes the head)."""
-        n, k = weight.shape
-        q_width = n - 2 * self.kv_heads * self.head_dim
-        bn = plan(n, k)[0]
-        return q_width % self.heads == 0 and self.head_dim % bn == 0 and (q_width // self.heads) % bn == 0
-
-
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               up: torch.Tensor | None = None, route: Route | None = None, heads: Heads | None = None):
+               up: torch.Tensor | None = None, route: Route | None = None):
     """x [T, K] (T <= 16, rows of any stride) -> [T, N] = x @ weight.T (+ bias); weight [N, K] contiguous. With `up`
     (x's shape and strides), the input is silu(x) * up instead (the down projection of a SwiGLU MLP, its gate and
     up products never stored). A row's bits are the same whatever T is: the tiles depend on the weight's shape
-    only, and every launch computes 16 rows. With `route`, (y, routing weights [T, top_k], ids [T, top_k]); with
-    `heads` (`heads.fit(weight)`), (y, q)."""
-    from moestream.kernels.rowwise import qk_glue
+    only, and every launch computes 16 rows. With `route`, (y, routing weights [T, top_k], ids [T, top_k])."""
     from moestream.kernels.triton.dense_gemv import dense_rows_kernel
 
     t, k = x.shape
@@ -99,16 +70,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if route is not None:
         shape = dict(ROUTE=True, E=route.experts, E_BLOCK=1 << (route.experts - 1).bit_length(), TOP_K=route.top_k,
                      K_BLOCK=1 << (route.top_k - 1).bit_length(), NORMALISE=route.normalise)
-    glue, q, glue_args = dict(ATTEND=False, HEADS=1, KV_HEADS=1, D=1, Q_STRIDE=1, ROT=2, D_BLOCK=1, QK_NORM=False,
-                              ZERO_CENTERED=False, MAP=False, OFFSETS=False), y, (y,) * 11 + (0.0,)
-    if heads is not None:
-        q, args, constants = qk_glue(y, *(getattr(heads, f.name) for f in fields(heads)))
-        count = arrival_counts(("dense_gemv heads", weight.data_ptr()), heads.heads + 2 * heads.kv_heads, x.device)
-        glue, glue_args = dict(ATTEND=True, **constants), (count, *args)
     dense_rows_kernel[(-(-n // bn), splits)](
         x, x if up is None else up, weight, bias_or_any, y, part, counts, *(routed or (y, y)), t, n, x.stride(0),
-        *glue_args, K=k, BN=bn, BK=BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None,
-        **shape, **glue, num_warps=4, num_stages=3)
-    if heads is not None:
-        return y, q
+        K=k, BN=bn, BK=BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None, **shape,
+        num_warps=4, num_stages=3)
     return y if route is None else (y, *routed)

@@ -16,8 +16,6 @@ from moestream.kernels import reference
 DECODE_MAX_ROWS = 16  # launches over at most this many token rows use the decode tile config; their rows' bits do
 # not depend on how many there are (a verify step's k+1 rows equal k+1 decode steps): the GPU kernels' tiles depend on
 # the weights only, and the CPU reference computes such rows one at a time
-GLUE_ROWS = 4  # a [q | k | v] launch runs the heads' glue for at most this many rows: the last block of a head loops
-# over them, where the glue kernel launched apart runs a program a head and row
 
 
 KERNELS = os.environ.get("MOESTREAM_KERNELS", "")
@@ -62,24 +60,6 @@ def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: i
 
         return rowwise.qk_norm_rope_cache(*args)
     return reference.qk_norm_rope_cache(*args)
-
-
-def projected_qk_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int,
-                                 kv_heads: int, head_dim: int, q_norm, k_norm, eps: float, zero_centered: bool,
-                                 cos: torch.Tensor, sin: torch.Tensor, k_cache, v_cache, position: torch.Tensor,
-                                 maps=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qkv = linear(x, weight, bias), qk_norm_rope_cache(qkv, ...)): a decode step's [q | k | v] projection and its
-    glue, one launch on the GPU for a few rows where each weight block of the GEMV lies in one head (its last block
-    writes it)."""
-    glue = (heads, kv_heads, head_dim, q_norm, k_norm, eps, zero_centered, cos, sin, k_cache, v_cache, position, maps)
-    if x.shape[0] <= GLUE_ROWS and use_triton(x.device):
-        from moestream.kernels import dense_gemv
-
-        fused = dense_gemv.Heads(*glue)
-        if fused.fit(weight):
-            return dense_gemv.dense_gemv(x, weight, bias, heads=fused)
-    qkv = linear(x, weight, bias)
-    return qkv, qk_norm_rope_cache(qkv, *glue)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

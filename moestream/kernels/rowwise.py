@@ -43,32 +43,21 @@ def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: i
                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
                        maps: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
     """reference.qk_norm_rope_cache in one launch: T tokens, into one cache, in place or through row maps."""
+    from moestream.kernels.decode_attention import map_args
     from moestream.kernels.triton.rowwise import qk_norm_rope_cache_kernel
 
-    qkv = qkv.contiguous()
-    q, args, constants = qk_glue(qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, zero_centered, cos, sin,
-                                 k_cache, v_cache, position, maps)
-    qk_norm_rope_cache_kernel[(heads + 2 * kv_heads, qkv.shape[0])](qkv, *args, qkv.shape[-1], **constants,
-                                                                     num_warps=1)
-    return q
-
-
-def qk_glue(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
-            k_norm: torch.Tensor | None, eps: float, zero_centered: bool, cos: torch.Tensor, sin: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor, maps) -> tuple[torch.Tensor, tuple,
-                                                                                                 dict]:
-    """The glue of qkv [T, width] as triton.rowwise.qk_head takes it: (q [T, heads, head_dim] that it fills, its
-    pointers from the q norm's to the row maps' offsets and eps, its constexprs)."""
-    from moestream.kernels.decode_attention import map_args
-
+    t = qkv.shape[0]
     row_map, offsets, mapped, per_token = map_args(maps, position)
-    q = torch.empty(qkv.shape[0], heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    args = (qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos.contiguous(), sin.contiguous(),
-            q, k_cache, v_cache, position, row_map, offsets, eps)
-    constants = dict(HEADS=heads, KV_HEADS=kv_heads, D=head_dim, Q_STRIDE=(qkv.shape[-1] - 2 * kv_heads * head_dim)
-                     // heads, ROT=cos.shape[-1], D_BLOCK=triton.next_power_of_2(head_dim), QK_NORM=q_norm is not None,
-                     ZERO_CENTERED=zero_centered, MAP=mapped, OFFSETS=per_token)
-    return q, args, constants
+    q_width = qkv.shape[-1] - 2 * kv_heads * head_dim
+    q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    qkv = qkv.contiguous()
+    qk_norm_rope_cache_kernel[(heads + 2 * kv_heads, t)](
+        qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos.contiguous(),
+        sin.contiguous(), q, k_cache, v_cache, position, row_map, offsets, eps, qkv.shape[-1], HEADS=heads,
+        KV_HEADS=kv_heads, D=head_dim, Q_STRIDE=q_width // heads, ROT=cos.shape[-1],
+        BLOCK=triton.next_power_of_2(head_dim), QK_NORM=q_norm is not None, ZERO_CENTERED=zero_centered, MAP=mapped,
+        OFFSETS=per_token, num_warps=1)
+    return q
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,9 @@ class Attention(nn.Module):
             return self._static(x, rope, ctx.positions, cache)
         end = cache.length + x.shape[0]
         cache.make_room(end)
-        qkv, q = self._project(x, rope, cache.k, cache.v, ctx.positions, cache.row_map)
+        qkv = self.qkv(x)  # norms, rotary and the cache rows in one launch, as a decode step writes them
+        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *self._norms(), *rope, cache.k,
+                                   cache.v, ctx.positions, cache.row_map)
         return self.finish(causal_attention(q, *cache.keys_values(end), self.head_dim ** -0.5), self.gate_of(qkv))
 
     def _norms(self) -> tuple:
@@ -109,25 +111,18 @@ class Attention(nn.Module):
             return None, None, 0.0, False
         return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered
 
-    def _project(self, x: torch.Tensor, rope, k_cache, v_cache, positions, maps) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qkv, q): the projection, then norms, rotary and the cache rows as a decode step writes them (in the
-        projection's launch on the GPU once fused)."""
-        glue = (self.heads, self.kv_heads, self.head_dim, *self._norms(), *rope, k_cache, v_cache, positions, maps)
-        if self.qkv.weight is None:
-            qkv = self.qkv(x)
-            return qkv, ops.qk_norm_rope_cache(qkv, *glue)
-        return ops.projected_qk_norm_rope_cache(x, self.qkv.weight, self.qkv.bias, *glue)
-
     def _static(self, x: torch.Tensor, rope, positions: torch.Tensor, cache) -> torch.Tensor:
         """Tokens at device-side `positions` [T] over the reserved cache's positions 0..position, so the shapes never
         change and the step can be captured in a CUDA graph; several rows (a verify step's over one cache, whose
         rows are all written before any attends; a batched step's, each over its own sequence's cache) in one
         launch each, every row as a decode step computes it."""
-        t, one, maps = x.shape[0], cache, cache.row_map
+        t, qkv = x.shape[0], self.qkv(x)
+        one, maps = cache, cache.row_map
         if isinstance(cache, Batched):  # the slots' caches share their pool's store; each row has its own map
             one, maps = cache[0], list(maps)
             assert all(c.store is one.store for c in cache)
-        qkv, q = self._project(x, rope, one.k, one.v, positions, maps)
+        q = ops.qk_norm_rope_cache(qkv, self.heads, self.kv_heads, self.head_dim, *self._norms(), *rope, one.k,
+                                   one.v, positions, maps)
         out = ops.decode_attention(q, one.k, one.v, positions, self.head_dim ** -0.5, gate=self.gate_heads(qkv),
                                    maps=maps)
         return self.o_proj(out.reshape(t, -1))

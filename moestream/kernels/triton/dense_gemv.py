@@ -3,34 +3,27 @@ them, fp32 accumulation in tensor-core products; with GLU, x = silu(gate) * up (
 each rounded to the activation dtype as torch rounds them. Where K is split, the last of a block's programs to
 finish sums the parts (one launch, not a GEMV and a reduction: a decode step ran three such pairs a layer). A
 router's launch also routes: the last block to finish turns the rows' logits into top-k weights and ids (one
-launch, not two). An attention layer's [q | k | v] launch also runs its glue: the last block of each head to
-finish norms, rotates and writes that head's rows (rowwise.qk_head), one launch fewer a layer."""
+launch, not two)."""
 
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton.rowwise import qk_head, top_k_rows
+from moestream.kernels.triton.rowwise import top_k_rows
 
 
 @triton.jit
 def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrivals_ptr, route_w_ptr, route_ids_ptr, T, N,
-                      stride_x, head_counts_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                      pos_ptr, map_ptr, moff_ptr, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      SPAN: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                      ROUTE: tl.constexpr, E: tl.constexpr, E_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                      K_BLOCK: tl.constexpr, NORMALISE: tl.constexpr, ATTEND: tl.constexpr, HEADS: tl.constexpr,
-                      KV_HEADS: tl.constexpr, D: tl.constexpr, Q_STRIDE: tl.constexpr, ROT: tl.constexpr,
-                      D_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, MAP: tl.constexpr,
-                      OFFSETS: tl.constexpr):
+                      stride_x, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
+                      SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, ROUTE: tl.constexpr,
+                      E: tl.constexpr, E_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr,
+                      NORMALISE: tl.constexpr):
     """Program (i, s): the BN weight rows n of block i for all of the step's token rows, 16 of them with the ones
     past T masked (zeros), over columns s * SPAN .. (s + 1) * SPAN in chunks of BK, one tensor-core product a
     chunk. The weights are read once for every row, and a row's bits do not depend on T: the other rows of the
     tile never meet it in a product (batch invariance). With SPLITS, each program stores its fp32 part and counts
     itself in arrivals[i]; the last to arrive adds the parts in split order (the same bits every run) and resets the
     count for the next launch. With ROUTE, each block's last program counts the block in arrivals[blocks]; the last
-    block routes every row from its first E outputs (top_k_rows) into route_w, route_ids [T, TOP_K]. With ATTEND
-    (BN dividing D and Q_STRIDE), each block's last program counts the block in head_counts[its head]; the head's
-    last block runs qk_head over y for every row."""
+    block routes every row from its first E outputs (top_k_rows) into route_w, route_ids [T, TOP_K]."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     live = n < N
     start = tl.program_id(1) * SPAN
@@ -80,14 +73,3 @@ def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrivals_ptr
                          mask=keep)
                 tl.store(route_ids_ptr + rows[:, None] * TOP_K + slot, chosen_e, mask=keep)
                 tl.store(arrivals_ptr + blocks, 0)
-        if ATTEND:
-            tl.debug_barrier()  # the block's outputs are stored before the count that releases them
-            col = tl.program_id(0) * BN
-            in_q = col < HEADS * Q_STRIDE
-            head = tl.where(in_q, col // Q_STRIDE, HEADS + (col - HEADS * Q_STRIDE) // D)
-            if tl.atomic_add(head_counts_ptr + head, 1, sem="acq_rel") == tl.where(in_q, Q_STRIDE, D) // BN - 1:
-                for t in range(T):
-                    qk_head(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, map_ptr,
-                            moff_ptr, eps, N, head, t, HEADS, KV_HEADS, D, Q_STRIDE, ROT, D_BLOCK, QK_NORM,
-                            ZERO_CENTERED, MAP, OFFSETS, ".cg")
-                tl.store(head_counts_ptr + head, 0)

@@ -121,25 +121,15 @@ def top_k_rows(logits, E: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr
 @triton.jit
 def qk_norm_rope_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
                               map_ptr, moff_ptr, eps, QKV_ROW, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                              D: tl.constexpr, Q_STRIDE: tl.constexpr, ROT: tl.constexpr, D_BLOCK: tl.constexpr,
+                              D: tl.constexpr, Q_STRIDE: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
                               QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, MAP: tl.constexpr,
                               OFFSETS: tl.constexpr):
-    """Decode tokens' attention glue, program (h, t) = qk_head h of token t."""
-    qk_head(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, map_ptr, moff_ptr,
-            eps, QKV_ROW, tl.program_id(0), tl.program_id(1), HEADS, KV_HEADS, D, Q_STRIDE, ROT, D_BLOCK, QK_NORM,
-            ZERO_CENTERED, MAP, OFFSETS, "")
-
-
-@triton.jit
-def qk_head(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, map_ptr, moff_ptr,
-            eps, QKV_ROW, h, t, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-            Q_STRIDE: tl.constexpr, ROT: tl.constexpr, D_BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
-            ZERO_CENTERED: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr, CACHE: tl.constexpr):
-    """One head h of token t's fused [q | k | v] projection row (QKV_ROW apart): q heads (every Q_STRIDE, gate
-    halves skipped) and k heads are RMS-normed (QK_NORM) and rotated into q / the cache row of position pos[t]; v
-    heads are copied there. With MAP that row is map[pos[t]] (a paged cache), token t's map starting moff[t]
-    elements past map_ptr with OFFSETS (a batch's rows, each its own sequence's map). Rounds where rms_norm and
-    rotary round. CACHE: the row's loads' modifier (".cg" where other programs just stored it)."""
+    """Decode tokens' attention glue, program (h, t) = one head of token t's fused [q | k | v] projection row
+    (QKV_ROW apart): q heads (every Q_STRIDE, gate halves skipped) and k heads are RMS-normed (QK_NORM) and rotated
+    into q / the cache row of position pos[t]; v heads are copied there. With MAP that row is map[pos[t]] (a paged
+    cache), token t's map starting moff[t] elements past map_ptr with OFFSETS (a batch's rows, each its own
+    sequence's map). Rounds where rms_norm and rotary round."""
+    h, t = tl.program_id(0), tl.program_id(1)
     pos = tl.load(pos_ptr + t)
     if OFFSETS:
         map_ptr += tl.load(moff_ptr + t)
@@ -149,13 +139,13 @@ def qk_head(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cac
     cos_ptr += t * ROT
     sin_ptr += t * ROT
     q_ptr += t * HEADS * D
-    d = tl.arange(0, D_BLOCK)
+    d = tl.arange(0, BLOCK)
     inside = d < D
     dt = qkv_ptr.dtype.element_ty
     Q_WIDTH: tl.constexpr = HEADS * Q_STRIDE
     if h >= HEADS + KV_HEADS:  # v
         j = h - HEADS - KV_HEADS
-        row = tl.load(qkv_ptr + Q_WIDTH + (KV_HEADS + j) * D + d, mask=inside, cache_modifier=CACHE)
+        row = tl.load(qkv_ptr + Q_WIDTH + (KV_HEADS + j) * D + d, mask=inside)
         tl.store(v_cache_ptr + (pos * KV_HEADS + j) * D + d, row, mask=inside)
     else:
         if h < HEADS:
@@ -167,8 +157,8 @@ def qk_head(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cac
         # each rotary dim's rotate-half partner and sign; dims past ROT pass through (their partner is themselves)
         partner = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))
         sign = tl.where(d < HALF, -1.0, 1.0)
-        x = tl.load(src + d, mask=inside, other=0.0, cache_modifier=CACHE).to(tl.float32)
-        xp = tl.load(src + partner, mask=inside, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        x = tl.load(src + d, mask=inside, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner, mask=inside, other=0.0).to(tl.float32)
         if QK_NORM:
             inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
             x = _normed(x, inv_rms, tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32), dt, ZERO_CENTERED)
