@@ -52,13 +52,15 @@ ab_mixed() {
 }
 ab_speculation() {
   timeout 150 python -m benchmarks.speculation /tmp/spec.json > /dev/null 2>&1 && python -c "import json; \
-[print('$tag', r['mode'], '|', r['speculation'], r['task'], round(r['decode_tok_s']), round(r['speed_up'], 2)) \
-for r in json.load(open('/tmp/spec.json'))]" | tee -a "$OUT/ab-speculation.log"
+[print('$tag', r['mode'], '|', r['speculation'], r['task'], round(r['decode_tok_s']), round(r['speed_up'], 2), \
+round(r['tokens_per_step'], 2), r.get('steps_at')) for r in json.load(open('/tmp/spec.json'))]" | tee -a "$OUT/ab-speculation.log" \
+    && cp /tmp/spec.json "$OUT/spec-$tag-$(date +%H%M%S).json"
 }
 ab_verify() {
   timeout 240 python -m benchmarks.verify_cost /tmp/vc.json --mtp > /dev/null 2>&1 && python -c "import json; \
 [print('$tag', r['mode'], '| all rejected', round(r['decode_tok_s_spec_all_rejected']), 'depth 0', \
-round(r['decode_tok_s_spec_depth_0']), 'off', round(r['decode_tok_s_spec_off']), r['speculation']['proposed']) \
+round(r['decode_tok_s_spec_depth_0']), 'off', round(r['decode_tok_s_spec_off']), 'paired', \
+round(r.get('all_rejected_vs_off_paired', 0), 3), r['speculation']['proposed']) \
 for r in json.load(open('/tmp/vc.json'))]" \
     | tee -a "$OUT/ab-verify.log" && cp /tmp/vc.json "$OUT/verify-$tag-$(date +%H%M%S).json"
 }

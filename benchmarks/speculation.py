@@ -56,7 +56,8 @@ def measure(llm: LLM, prompts: list[str], tokens: int, rounds: int = 3) -> dict:
         tok_s.append(sum(x["generated_tokens"] for x in t) / sum(x["decode_seconds"] for x in t))
     spec = llm.spec_stats.as_dict()
     return {"decode_tok_s": statistics.median(tok_s), "tokens": [o.token_ids for o in outs],
-            "acceptance": spec["acceptance"], "tokens_per_step": spec["tokens_per_step"], "step_ms": spec["step_ms"]}
+            "acceptance": spec["acceptance"], "tokens_per_step": spec["tokens_per_step"], "step_ms": spec["step_ms"],
+            "steps_at": spec.get("steps_at")}  # a base tree's stats may lack it
 
 
 def main() -> None:

@@ -105,7 +105,8 @@ def all_rejected(llm: LLM, spec: str, rounds: int = 9, tokens: int = 128) -> dic
     """Greedy decode with speculation on and every draft rejected against speculation off, and against it on at a
     depth fixed at 0 (what its bookkeeping alone costs), a request of each a round, interleaved so that the
     machine's drift falls on all; the depth carries over from round to round as from request to request (the first
-    round's pays its early drafts): each round's tok/s, the medians, and the counters of the rounds with drafts."""
+    round's pays its early drafts): each round's tok/s, the medians, the median of each round's rejected / off
+    (paired: drift within a lease moves a round's arms together), and the counters of the rounds with drafts."""
     on_config, off_config = llm.engine_config, dataclasses.replace(llm.engine_config, speculation="off")
     depth, stats = llm.depth, SpecStats()
     tok_s = {"all_rejected": [], "off": [], "depth_0": []}
@@ -123,6 +124,7 @@ def all_rejected(llm: LLM, spec: str, rounds: int = 9, tokens: int = 128) -> dic
     return {"decode_tok_s_spec_all_rejected": statistics.median(tok_s["all_rejected"]),
             "decode_tok_s_spec_off": statistics.median(tok_s["off"]),
             "decode_tok_s_spec_depth_0": statistics.median(tok_s["depth_0"]),
+            "all_rejected_vs_off_paired": statistics.median(a / o for a, o in zip(tok_s["all_rejected"], tok_s["off"])),
             "rounds_tok_s": tok_s, "speculation": stats.as_dict()}
 
 

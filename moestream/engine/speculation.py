@@ -85,7 +85,8 @@ class SpecStats:
         return {"proposed": list(self.proposed), "accepted": list(self.accepted),
                 "acceptance": [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)],
                 "steps": self.steps, "tokens_per_step": self.tokens / self.steps if self.steps else 0.0,
-                "step_ms": {k: 1e3 * s / self.steps_at[k] for k, s in sorted(self.seconds.items())}}
+                "step_ms": {k: 1e3 * s / self.steps_at[k] for k, s in sorted(self.seconds.items())},
+                "steps_at": dict(sorted(self.steps_at.items()))}
 
 
 ROW_FLOOR = 0.02  # the least a verify row costs, relative to a one-row step

@@ -180,3 +180,4 @@ def test_stats_count_per_draft_position():
     out = stats.as_dict()
     assert out["proposed"] == [2, 2, 1] and out["accepted"] == [2, 1, 0]
     assert out["tokens_per_step"] == (2 + 3) / 2 and set(out["step_ms"]) == {2, 3}
+    assert out["steps_at"] == {2: 1, 3: 1}
