@@ -94,6 +94,7 @@ ROW_FLOOR = 0.02  # the least a verify row costs, relative to a one-row step
 # decode's tokens a second: acceptance decayed over ~10 steps is too noisy to judge a thin margin, and a depth
 # fallen to 0 climbs back slowly
 STOP_BELOW = 0.85
+OUTLIER = 2.0  # a step timed past this multiple of its depth's smoothed cost counts as this multiple
 REPRICE = 0.05  # a plain step's cost moved by this share since the depth was chosen: choose again
 
 
@@ -134,7 +135,9 @@ class Depth:
             self.since_drafts += 1
         if seconds is not None:
             old = self.measured.get(drafts)
-            self.measured[drafts] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+            if old is not None:  # one stalled step (a GC pause, the host preempted) is not what a depth costs
+                seconds = self.decay * old + (1 - self.decay) * min(seconds, OUTLIER * old)
+            self.measured[drafts] = seconds
             if drafts == 0 and abs(self.measured[0] - self.priced_at) > REPRICE * self.priced_at:
                 self.choice = None
         if drafts:  # back to the first pace only once drafts pay; a kept draft that costs more than it yields waits

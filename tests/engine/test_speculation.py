@@ -119,6 +119,17 @@ def test_an_untimed_step_counts_its_drafts_but_not_its_cost():
     assert 2 not in depth.measured and depth.trials[1] == 1.0
 
 
+def test_one_stalled_step_does_not_stop_kept_drafts():
+    """A draft step stalled 50x (a GC pause) weighs as one at 2x: smoothed as it came, the depth's cost stood 5x
+    a plain step and drafts stopped until the next probe (the demo model's MTP fell to 0.8-0.95x in half its runs)."""
+    depth = Depth(max_drafts=1, probe=1000)
+    depth.update(0, 0, 1.0)
+    for _ in range(20):
+        depth.update(1, 1, 1.2)
+    depth.update(1, 1, 60.0)
+    assert [depth.next() for _ in range(5)] == [1] * 5
+
+
 def test_depth_chooses_again_when_the_plain_cost_it_was_priced_on_moves():
     """A first plain step faster than the rest stops a kept draft; as the plain cost settles the draft pays again,
     well before the next probe (the choice kept until a probe, eager decode drafted 3 times in 40 tokens)."""
