@@ -60,9 +60,11 @@ def test_acceptance_honours_top_k():
         assert accept(sampler, TARGETS[:2].log(), [1], [])[0] == 0  # top-k 1: the draft is never drawable
 
 
-def _drive(depth: Depth, steps: int, kept, cost) -> list[int]:
-    """The depth chosen at each of `steps` steps, each keeping kept(k) of its k drafts at cost(k) seconds."""
-    depth.update(0, 0, 1.0)
+def _drive(depth: Depth, steps: int, kept, cost, plain_first: bool = True) -> list[int]:
+    """The depth chosen at each of `steps` steps, each keeping kept(k) of its k drafts at cost(k) seconds, after a
+    plain step at 1.0 unless not `plain_first`."""
+    if plain_first:
+        depth.update(0, 0, 1.0)
     chosen = []
     for _ in range(steps):
         k = depth.next()
@@ -88,11 +90,8 @@ def test_depth_falls_to_zero_when_every_draft_is_rejected_and_probes():
 
 def _fresh(steps: int, kept, cost, seed: int = 0) -> list[int]:
     """As _drive, from a fresh depth (no plain step measured) and with kept(k, rng)."""
-    depth, rng, chosen = Depth(max_drafts=4), random.Random(seed), []
-    for _ in range(steps):
-        chosen.append(depth.next())
-        depth.update(chosen[-1], kept(chosen[-1], rng), cost(chosen[-1]))
-    return chosen
+    rng = random.Random(seed)
+    return _drive(Depth(max_drafts=4), steps, lambda k: kept(k, rng), cost, plain_first=False)
 
 
 def test_rejected_drafts_stop_soon_even_when_cheap():
@@ -121,7 +120,7 @@ def test_an_untimed_step_counts_its_drafts_but_not_its_cost():
 
 def test_one_stalled_step_does_not_stop_kept_drafts():
     """A draft step stalled 50x (a GC pause) weighs as one at 2x: smoothed as it came, the depth's cost stood 5x
-    a plain step and drafts stopped until the next probe (the demo model's MTP fell to 0.8-0.95x in half its runs)."""
+    a plain step and drafts stopped until the next probe (a suspect in the demo model's runs at 0.78-0.97x)."""
     depth = Depth(max_drafts=1, probe=1000)
     depth.update(0, 0, 1.0)
     for _ in range(20):
