@@ -103,8 +103,11 @@ class Depth:
     a_1...a_k over the measured cost of a (k+1)-row step, with a_i the recent acceptance of draft i given draft i-1
     kept (per position: an MTP head's chained drafts are kept far less often than its first). It falls to 0 when
     drafts stop paying, and tries one draft after `probe` plain steps to notice when they pay again, waiting twice
-    as long after each probe that did not make them pay (up to 32x). Drafting, it tries one draft more every
-    `probe` steps: else a position judged unlucky early is never judged again, and the depth stays below its best.
+    as long after each probe that did not make them pay (up to 32x). A probe the step could not time (it first fed
+    the MTP head the rows it skipped) is followed by a timed one, and a lower cost replaces, not smooths, one
+    measured before a run of other steps: else one slow first measure kept drafts off for good (a demo run, 0.94x).
+    Drafting, it tries one draft more every `probe` steps: else a position judged unlucky early is never judged
+    again, and the depth stays below its best.
     A plain step runs once drafts have run, so that their measured cost is what judges them (without one, the
     prior priced drafts for good: kept 7 in 10 on an offloaded 30B they took decode to 0.58x, simulated). Between
     plain steps the choice stands while the plain cost it was priced on holds (within REPRICE): a plain step's host
@@ -122,6 +125,8 @@ class Depth:
         self.since_deeper = 0  # steps at a depth > 0 since one draft more was tried
         self.choice: int | None = None  # the best depth, while no new evidence came
         self.priced_at = 0.0  # the plain step's seconds when it was chosen
+        self.steps, self.timed_at = 0, {}  # steps seen; depth -> the step its cost was last measured at
+        self.confirm = 0  # the depth of an untimed drafting step, to run again timed
 
     def update(self, drafts: int, kept: int, seconds: float | None) -> None:
         """A step of `drafts` kept `kept` of them in `seconds` (None: a step whose time says nothing of its depth's,
@@ -133,13 +138,18 @@ class Depth:
             self.since_drafts = 0
         else:
             self.since_drafts += 1
+        self.steps += 1
         if seconds is not None:
             old = self.measured.get(drafts)
-            if old is not None:  # one stalled step (a GC pause, the host preempted) is not what a depth costs
+            stale = drafts and self.steps - self.timed_at.get(drafts, 0) > self.probe  # before a run of others
+            if old is not None and not (stale and seconds < old):  # a stalled step (a GC pause) is not its cost
                 seconds = self.decay * old + (1 - self.decay) * min(seconds, OUTLIER * old)
-            self.measured[drafts] = seconds
+            self.measured[drafts], self.timed_at[drafts] = seconds, self.steps
             if drafts == 0 and abs(self.measured[0] - self.priced_at) > REPRICE * self.priced_at:
                 self.choice = None
+        elif drafts:
+            self.confirm = drafts
+            return
         if drafts:  # back to the first pace only once drafts pay; a kept draft that costs more than it yields waits
             self.choice = self._best()
             self.wait = self.probe if self.choice else min(2 * self.wait, 32 * self.probe)
@@ -179,6 +189,9 @@ class Depth:
     def next(self) -> int:
         if self.fixed is not None:
             return self.fixed
+        if self.confirm:
+            self.confirm, k = 0, self.confirm
+            return k
         if self.measured and 0 not in self.measured:
             return 0
         if self.choice is None:

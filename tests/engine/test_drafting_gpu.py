@@ -27,7 +27,9 @@ def test_gpu_greedy_tokens_with_mtp_drafts_are_the_plain_ones():
         finally:
             llm.close()
         assert got == want, (setting, spec)
-        assert spec["acceptance"][0] > 0.4, (setting, spec)  # of this prompt: 0.5-0.6 (CPU)
+        if setting.get("drafts") or spec["proposed"][0] >= 16:  # adaptive depth may stop after 1 kept in 4
+            assert spec["acceptance"][0] > 0.4, (setting, spec)  # of this prompt: 0.5-0.6 (CPU)
+        assert spec["proposed"][0] > 0, (setting, spec)
         assert 0 < len(sampled.token_ids) <= 16
         if not setting:  # resident: a graph of the head for every row count, of the whole step for every k
             assert graphs == [(rows, False) for rows in range(1, 6)], graphs
