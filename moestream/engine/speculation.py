@@ -141,7 +141,7 @@ class Depth:
         self.steps += 1
         if seconds is not None:
             old = self.measured.get(drafts)
-            stale = drafts and self.steps - self.timed_at.get(drafts, 0) > self.probe  # before a run of others
+            stale = drafts > 0 and self.steps - self.timed_at.get(drafts, 0) > self.probe  # before a run of others
             if old is not None and not (stale and seconds < old):  # a stalled step (a GC pause) is not its cost
                 seconds = self.decay * old + (1 - self.decay) * min(seconds, OUTLIER * old)
             self.measured[drafts], self.timed_at[drafts] = seconds, self.steps
