@@ -107,11 +107,10 @@ class Depth:
     the MTP head the rows it skipped) is followed by a timed one, and a lower cost replaces, not smooths, one
     measured before a run of other steps: else one slow first measure kept drafts off for good (a demo run, 0.94x).
     Drafting, it tries one draft more every `probe` steps: else a position judged unlucky early is never judged
-    again, and the depth stays below its best.
-    A plain step runs once drafts have run, so that their measured cost is what judges them (without one, the
-    prior priced drafts for good: kept 7 in 10 on an offloaded 30B they took decode to 0.58x, simulated). Between
-    plain steps the choice stands while the plain cost it was priced on holds (within REPRICE): a plain step's host
-    work is what every step pays when drafts never pay."""
+    again, and the depth stays below its best. A plain step runs once drafts have run, so that their measured cost
+    is what judges them (without one, the prior priced drafts for good: kept 7 in 10 on an offloaded 30B they took
+    decode to 0.58x, simulated). Between plain steps the choice stands while the plain cost it was priced on holds
+    (within REPRICE): a plain step's host work is what every step pays when drafts never pay."""
 
     def __init__(self, max_drafts: int, fixed: int | None = None, decay: float = 0.9, probe: int = 32,
                  cost_prior: float = 0.1):

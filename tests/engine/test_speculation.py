@@ -122,7 +122,7 @@ def test_an_untimed_step_counts_its_drafts_but_not_its_cost():
 
 def test_one_stalled_step_does_not_stop_kept_drafts():
     """A draft step stalled 50x (a GC pause) weighs as one at 2x: smoothed as it came, the depth's cost stood 5x
-    a plain step and drafts stopped until the next probe (a suspect in the demo model's runs at 0.78-0.97x)."""
+    a plain step and drafts stopped until the next probe (the demo model's slow runs were untimed probes' doing)."""
     depth = Depth(max_drafts=1, probe=1000)
     depth.update(0, 0, 1.0)
     for _ in range(20):
