@@ -104,22 +104,38 @@ def decode_tok_s(llm: LLM, tokens: int) -> float:
 def all_rejected(llm: LLM, spec: str, rounds: int = 9, tokens: int = 128) -> dict:
     """Greedy decode with speculation on and every draft rejected against speculation off, and against it on at a
     depth fixed at 0 (what its bookkeeping alone costs), a request of each a round, interleaved so that the
-    machine's drift falls on all; the depth carries over from round to round as from request to request (the first
-    round's pays its early drafts): each round's tok/s, the medians, the median of each round's rejected / off
-    (paired: drift within a lease moves a round's arms together), and the counters of the rounds with drafts."""
+    machine's drift falls on all, the arms' order turned a place each round so that none always runs first; the
+    depth carries over from round to round as from request to request (the first round's pays its early drafts):
+    each round's tok/s, the medians, the median of each round's rejected / off (paired: drift within a lease moves
+    a round's arms together), and the counters of the rounds with drafts."""
     on_config, off_config = llm.engine_config, dataclasses.replace(llm.engine_config, speculation="off")
     depth, stats = llm.depth, SpecStats()
-    tok_s = {"all_rejected": [], "off": [], "depth_0": []}
-    for _ in range(rounds):
+
+    def rejected() -> float:
         undo = reject_every_draft(spec, llm.config.vocab_size - 1)
         llm.depth, llm.spec_stats = depth, stats
-        tok_s["all_rejected"].append(decode_tok_s(llm, tokens))
+        try:
+            return decode_tok_s(llm, tokens)
+        finally:
+            undo()
+
+    def depth_0() -> float:
         llm.depth, llm.spec_stats = Depth(depth.max_drafts, 0), SpecStats()
-        tok_s["depth_0"].append(decode_tok_s(llm, tokens))
-        undo()
+        return decode_tok_s(llm, tokens)
+
+    def off() -> float:
         llm.engine_config = off_config
-        tok_s["off"].append(decode_tok_s(llm, tokens))
-        llm.engine_config = on_config
+        try:
+            return decode_tok_s(llm, tokens)
+        finally:
+            llm.engine_config = on_config
+
+    arms = {"all_rejected": rejected, "depth_0": depth_0, "off": off}
+    tok_s = {name: [] for name in arms}
+    for r in range(rounds):
+        names = list(arms)[r % 3:] + list(arms)[:r % 3]
+        for name in names:
+            tok_s[name].append(arms[name]())
     llm.depth, llm.spec_stats = depth, stats
     return {"decode_tok_s_spec_all_rejected": statistics.median(tok_s["all_rejected"]),
             "decode_tok_s_spec_off": statistics.median(tok_s["off"]),
