@@ -83,6 +83,9 @@ def activation_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
     return tokens * per_token + ACTIVATION_FIXED
 
 
+FIXED_PARTS = ("dense", "state", "activations", "ring")  # what a budget pays before the pool
+
+
 @dataclasses.dataclass
 class GpuPlan:
     dense: int
@@ -91,9 +94,8 @@ class GpuPlan:
     ring: int
     pool: int  # what is left for expert records
 
-    def parts_gb(self) -> str:
-        return ", ".join(f"{name} {getattr(self, name) / 1e9:.2f}" for name in
-                         ("dense", "state", "activations", "ring", "pool"))
+    def parts_gb(self, names: tuple[str, ...] = (*FIXED_PARTS, "pool")) -> str:
+        return ", ".join(f"{name} {getattr(self, name) / 1e9:.2f}" for name in names)
 
 
 def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype: torch.dtype,
@@ -111,8 +113,13 @@ def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype:
             raise BudgetError(f"--pool-gb {cfg.expert.pool_gb:g} does not fit in --gpu-gb {cfg.gpu_gb:g} "
                               f"(GB: {plan.parts_gb()})")
         plan.pool = int(cfg.expert.pool_gb * 1e9)
-    if plan.pool < top_k * stride:
-        raise BudgetError(f"--gpu-gb {cfg.gpu_gb:g} leaves {max(plan.pool, 0) / 1e9:.2f} GB for experts, below one "
-                          f"decode step's {top_k * stride / 1e9:.3f} GB (GB: {plan.parts_gb()}); raise it, or "
-                          "lower --max-context, --kv-tokens, --max-batch or --prefill-chunk")
+    step = top_k * stride  # one decode step's records
+    if plan.pool < step and cfg.expert.pool_gb is not None:
+        raise BudgetError(f"--pool-gb {cfg.expert.pool_gb:g} is below one decode step's experts ({step / 1e6:.1f} MB)")
+    if plan.pool < step:
+        least = sum(getattr(plan, name) for name in FIXED_PARTS) + step
+        raise BudgetError(f"--gpu-gb {cfg.gpu_gb:g} is below the {least / 1e9:.2f} GB this model needs with one "
+                          f"decode step's experts ({step / 1e6:.1f} MB) in the pool (GB: "
+                          f"{plan.parts_gb(FIXED_PARTS)}); raise it, or lower --max-context, --kv-tokens, --max-batch "
+                          "or --prefill-chunk")
     return plan

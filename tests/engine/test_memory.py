@@ -59,8 +59,9 @@ def test_the_plan_counts_the_verify_steps_row_copies(tiny):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(gpu_gb=0.3), "leaves"),
+    (dict(gpu_gb=0.3), r"is below the \d+\.\d\d GB this model needs"),
     (dict(gpu_gb=0.7, pool_gb=0.5), "does not fit"),
+    (dict(gpu_gb=2.0, pool_gb=1e-6), "--pool-gb 1e-06 is below one decode step's experts"),
 ])
 def test_a_budget_that_cannot_hold_a_step_is_refused_in_one_line(tiny, options, message):
     with pytest.raises(BudgetError, match=message) as e:
