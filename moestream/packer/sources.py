@@ -18,6 +18,7 @@ import torch
 
 from moestream.config import ModelConfig, normalise_model_type, text_config
 from moestream.errors import SourceError
+from moestream.experts.format import MANIFEST
 from moestream.packer.safetensors_io import TensorInfo, read_header, read_rows
 
 _SKIP = re.compile(r"^(model\.visual|visual|vision_tower|model\.vision_tower|model\.audio|audio_tower)\.")
@@ -109,6 +110,8 @@ class CheckpointSource:
 def open_source(path: str) -> CheckpointSource:
     if not os.path.isdir(path):
         raise SourceError(f"no such checkpoint folder: {path}")
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        raise SourceError(f"{path} is a moestream store, packed already: `generate` and `serve` take it as is")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise SourceError(f"{path} has no config.json; is it a Hugging Face or MLX checkpoint folder?")

@@ -32,6 +32,11 @@ def test_no_such_folder(tmp_path):
     assert "no such checkpoint folder" in one_line_error(moestream("pack", str(tmp_path / "nope")))
 
 
+def test_a_store_is_not_packed_again(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")
+    assert "is a moestream store, packed already" in one_line_error(moestream("pack", str(tmp_path)))
+
+
 def test_no_config(tmp_path):
     assert "no config.json" in one_line_error(moestream("pack", str(tmp_path)))
 
