@@ -132,9 +132,9 @@ def all_rejected(llm: LLM, spec: str, rounds: int = 9, tokens: int = 128) -> dic
 
     arms = {"all_rejected": rejected, "depth_0": depth_0, "off": off}
     tok_s = {name: [] for name in arms}
+    names = list(arms)
     for r in range(rounds):
-        names = list(arms)[r % 3:] + list(arms)[:r % 3]
-        for name in names:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             tok_s[name].append(arms[name]())
     llm.depth, llm.spec_stats = depth, stats
     return {"decode_tok_s_spec_all_rejected": statistics.median(tok_s["all_rejected"]),

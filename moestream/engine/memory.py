@@ -114,9 +114,10 @@ def plan_gpu(model: CausalLM, cfg: EngineConfig, stride: int, top_k: int, dtype:
                               f"(GB: {plan.parts_gb()})")
         plan.pool = int(cfg.expert.pool_gb * 1e9)
     step = top_k * stride  # one decode step's records
-    if plan.pool < step and cfg.expert.pool_gb is not None:
-        raise BudgetError(f"--pool-gb {cfg.expert.pool_gb:g} is below one decode step's experts ({step / 1e6:.1f} MB)")
     if plan.pool < step:
+        if cfg.expert.pool_gb is not None:
+            raise BudgetError(f"--pool-gb {cfg.expert.pool_gb:g} is below one decode step's experts "
+                              f"({step / 1e6:.1f} MB)")
         least = sum(getattr(plan, name) for name in FIXED_PARTS) + step
         raise BudgetError(f"--gpu-gb {cfg.gpu_gb:g} is below the {least / 1e9:.2f} GB this model needs with one "
                           f"decode step's experts ({step / 1e6:.1f} MB) in the pool (GB: "
