@@ -190,20 +190,23 @@ class Generation:
         if speculator is None:
             return self._take([self.sampler.pick(step(last, seq.state), self._history())])
         tic, k = time.perf_counter(), speculator.drafts(seq.params.max_tokens - len(seq.generated) - 1)
-        if (fused := speculator.fused_step(self.sampler, seq.generated, seq.state, k)) is not None:
-            tokens, primed = fused  # a step that first fed the head skipped rows is no measure of k's cost
-            speculator.record(k, len(tokens) - 1, time.perf_counter() - tic, timed=not primed)
-            return self._take(tokens)
-        drafts = speculator.propose(seq.generated, k)
+        drafts = []
+        if k:  # a plain step skips the drafter's calls: every step pays their host work when drafts never pay
+            if (fused := speculator.fused_step(self.sampler, seq.generated, seq.state, k)) is not None:
+                tokens, primed = fused  # a step that first fed the head skipped rows is no measure of k's cost
+                speculator.record(k, len(tokens) - 1, time.perf_counter() - tic, timed=not primed)
+                return self._take(tokens)
+            drafts = speculator.propose(seq.generated, k)
         if drafts:
             hidden, rows = verify([last, *drafts], seq.state)
             pending = accept(self.sampler, rows, drafts, seq.prompt + seq.generated)
             seq.state.accept([last, *pending[:-1]], len(drafts) + 1)
+            hidden = hidden[:len(pending)]
         else:  # the same step, with its hidden state for the drafter
             hidden, rows = verify([last], seq.state)
             seq.state.advance([last])
-            pending = [self.sampler(rows[0], self._history())]
-        speculator.hidden(hidden[:len(pending)])
+            pending = [self.sampler.pick(rows[0], self._history())]
+        speculator.decoded(hidden)
         speculator.record(len(drafts), len(pending) - 1, time.perf_counter() - tic)
         return self._take(pending)
 

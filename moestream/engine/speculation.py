@@ -218,11 +218,17 @@ class Speculator:
         self.lookup.reset(prompt)
 
     def hidden(self, rows: torch.Tensor) -> None:
-        """The trunk's final hidden states of its next positions (a prefill chunk's, a step's kept rows): the MTP
-        head sees those whose next token the prompt holds now, the rest when drafts are next wanted."""
+        """A prefill chunk's final hidden states: the MTP head sees those whose next token the prompt holds now, the
+        rest when drafts are next wanted."""
         if self.head is not None:
             self.head.extend(rows)
             self.head.catch_up(self.prompt)
+
+    def decoded(self, rows: torch.Tensor) -> None:
+        """A decode step's kept rows, for the MTP head once drafts are next wanted (past the prompt: none to feed
+        now)."""
+        if self.head is not None:
+            self.head.extend(rows)
 
     def drafts(self, limit: int) -> int:
         """How many drafts this step verifies, at most `limit`."""
