@@ -10,6 +10,7 @@ import torch
 from moestream.engine.decode import Decoder
 from moestream.engine.llm import LLM
 from moestream.engine.lookup import PromptLookup
+from moestream.engine.speculation import Depth, Speculator
 from moestream.errors import ConfigError
 from moestream.sampling import SamplingParams
 from tests.conftest import MODEL_TYPES
@@ -88,6 +89,30 @@ def test_prompt_lookup_keeps_the_plain_tokens(tiny):
         want = llm.generate([prompt], params)[0].token_ids
     finally:
         llm.close()
+    llm = _llm(tiny, "qwen3_next", speculation="lookup")
+    try:
+        assert llm.generate([prompt], params)[0].token_ids == want
+    finally:
+        llm.close()
+
+
+def test_plain_steps_leave_the_drafter_alone(tiny, monkeypatch):
+    """At depth 0 a step with speculation on is a plain step: the drafter's host work is what every step would pay
+    when drafts never pay (issue 29's every-draft-rejected bound)."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm = _llm(tiny, "qwen3_next")
+    prompt = prompt_of(llm, 8)
+    try:
+        want = llm.generate([prompt], params)[0].token_ids
+    finally:
+        llm.close()
+
+    def called(*args):
+        raise AssertionError("a plain step called the drafter")
+
+    for name in ("propose", "fused_step"):
+        monkeypatch.setattr(Speculator, name, called)
+    monkeypatch.setattr(Depth, "next", lambda self: 0)  # drafts turned off for good
     llm = _llm(tiny, "qwen3_next", speculation="lookup")
     try:
         assert llm.generate([prompt], params)[0].token_ids == want
