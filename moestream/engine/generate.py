@@ -133,7 +133,7 @@ class Generation:
         if seq.params.prompt_logprobs is not None:
             self._prompt_logprobs(hidden, seq.prompt[start + 1: stop + 1])
         if self.speculator is not None:
-            self.speculator.hidden(hidden)
+            self.speculator.prefilled(hidden)
         if self.on_boundary is not None and stop % self.chunk == 0:
             self.on_boundary(state)
         if stop < len(seq.prompt):

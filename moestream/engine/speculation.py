@@ -217,7 +217,7 @@ class Speculator:
         self.lookup = PromptLookup()
         self.lookup.reset(prompt)
 
-    def hidden(self, rows: torch.Tensor) -> None:
+    def prefilled(self, rows: torch.Tensor) -> None:
         """A prefill chunk's final hidden states: the MTP head sees those whose next token the prompt holds now, the
         rest when drafts are next wanted."""
         if self.head is not None:
