@@ -1,6 +1,7 @@
 """A graphed decode step's kernels and the gaps between them: a CUPTI trace of a few resident decode steps, each
 kernel by name with its launches a step, mean duration and the idle time after it (docs/performance.md, the
-resident decode step kernel by kernel). Graph replays are traced kernel by kernel.
+resident decode step kernel by kernel), and a step's wall time against its kernels' busy time (what the host's turn
+between steps costs). Graph replays are traced kernel by kernel.
 
 python -m benchmarks.probes.step_kernels STORE [--steps 16] [--streams N]
 """
@@ -12,6 +13,7 @@ import collections
 import json
 import os
 import tempfile
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -56,13 +58,17 @@ def main() -> None:
     llm.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tic = time.perf_counter()
         for _ in range(args.steps):
             llm.step()
         torch.cuda.synchronize()
+        wall = (time.perf_counter() - tic) / args.steps * 1e6
     trace = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(trace)
     kernels = kernels_of(trace)
-    print(f"{llm.config.num_hidden_layers} layers, {len(kernels) / args.steps:.0f} kernels a step")
+    busy = sum(k["dur"] for k in kernels) / args.steps
+    print(f"{llm.config.num_hidden_layers} layers, {len(kernels) / args.steps:.0f} kernels a step; a step "
+          f"{wall:.0f} us wall, kernels busy {busy:.0f} us, idle {wall - busy:.0f} (gaps and the host's turn)")
     for row in table(kernels, args.steps):
         print(f"{row['a_step']:6.1f} x {row['us']:7.2f} us, then {row['gap_after_us']:5.2f} idle  {row['kernel']}")
 
