@@ -235,19 +235,17 @@ class Speculator:
         return min(self.depth.next(), limit)
 
     def fused_step(self, sampler: Sampler, generated: list[int], state, k: int) -> tuple[list[int], bool] | None:
-        """A greedy MTP step of `k` drafts, verification and the head's next draft in one (`fused`): (the tokens to
-        append, whether it first fed the head rows it had skipped), the states advanced; None where it cannot run so
-        (then `propose` and a verify step)."""
-        if self.fused is None or not sampler.greedy or k <= 0:
+        """A greedy MTP step of `k` (> 0) drafts, verification and the head's next draft in one (`fused`): (the tokens
+        to append, whether it first fed the head rows it had skipped), the states advanced; None where it cannot run
+        so (then `propose` and a verify step)."""
+        if self.fused is None or not sampler.greedy:
             return None
         out = self.fused.step(self.head, self.prompt, generated, state, k)
         return None if out is None else (out, self.fused.primed)
 
     def propose(self, generated: list[int], k: int) -> list[int]:
-        """Up to `k` drafts to follow the prompt and `generated`; none without a host pass over the tokens while
-        `k` is 0, so that a plain step costs what it costs without speculation."""
-        if k <= 0:
-            return []
+        """Up to `k` (> 0) drafts to follow the prompt and `generated`. A plain step (k = 0) calls neither this nor
+        `fused_step`: it costs what it costs without speculation."""
         if self.head is not None:
             return self.head.propose(self.prompt + generated, k)
         self.lookup.extend(generated[len(self.lookup.tokens) - len(self.prompt):])
