@@ -42,6 +42,20 @@ def table(kernels: list[dict], steps: int) -> list[dict]:
                    for name, (n, dur, gap) in by.items()), key=lambda r: -r["a_step"] * (r["us"] + r["gap_after_us"]))
 
 
+def covered(kernels: list[dict]) -> tuple[float, float]:
+    """The union of the kernels' intervals (overlapping streams counted once), and the sum of the idle gaps longer
+    than 20 us (the host's turn between steps), in us."""
+    busy = turns = 0.0
+    end = None
+    for k in kernels:
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        if end is not None and start > end:
+            turns += start - end if start - end > 20 else 0.0
+        busy += max(0.0, stop - max(start, end if end is not None else start))
+        end = stop if end is None else max(end, stop)
+    return busy, turns
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store")
@@ -69,9 +83,10 @@ def main() -> None:
     trace = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(trace)
     kernels = kernels_of(trace)
-    busy = sum(k["dur"] for k in kernels) / args.steps
+    busy, turns = (t / args.steps for t in covered(kernels))
     print(f"{llm.config.num_hidden_layers} layers, {len(kernels) / args.steps:.0f} kernels a step; a step "
-          f"{wall:.0f} us wall, kernels busy {busy:.0f} us, idle {wall - busy:.0f} (gaps and the host's turn)")
+          f"{wall:.0f} us wall, kernels cover {busy:.0f} us, idle {wall - busy:.0f}; in the trace, gaps over 20 us "
+          f"{turns:.0f} us a step (the host's turn)")
     for row in table(kernels, args.steps):
         print(f"{row['a_step']:6.1f} x {row['us']:7.2f} us, then {row['gap_after_us']:5.2f} idle  {row['kernel']}")
 
