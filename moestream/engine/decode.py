@@ -40,6 +40,19 @@ class StepInputs:
     hidden: torch.Tensor | None = None  # [rows, H] the trunk's, for the MTP head's steps
 
 
+class Ahead:
+    """A greedy one-row step launched before the host read the previous one's token (`Decoder.step_ahead`): its
+    token on its way to the host, and its final hidden state where it was kept [1, H]."""
+
+    def __init__(self, token: torch.Tensor, done: torch.cuda.Event | None, hidden: torch.Tensor | None):
+        self.token, self.done, self.hidden = token, done, hidden
+
+    def read(self) -> int:
+        if self.done is not None:
+            self.done.synchronize()
+        return int(self.token[0])
+
+
 class Decoder:
     def __init__(self, model: CausalLM, provider: ExpertProvider, cfg: EngineConfig, device: torch.device,
                  dtype: torch.dtype, static: bool | None = None, max_rows: int = 1, max_batch: int = 1,
@@ -61,6 +74,9 @@ class Decoder:
         self.slots: list[SequenceState] = []  # the static steps' own states, which the graphs read and write
         self.views: dict[int, SequenceState] = {}  # rows -> the batched view of the first slots' states
         self.kv_tokens, self.kv = kv_tokens, None  # the slots' KV pool (layers/kv.py), made with the first slot
+        # the launched steps' tokens for the host, two so that the next step's copy never meets the one being read
+        self.picked = torch.zeros(2, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.launches = 0
         if self.static:
             self.slots.append(self._static_state())
 
@@ -106,6 +122,29 @@ class Decoder:
         return logits[0]
 
     @torch.inference_mode()
+    def step_ahead(self, token: int | None, state: SequenceState, start: int, keep_hidden: bool = False) -> Ahead:
+        """A greedy one-row step at position `start` that the host need not wait for: of `token`, or (None) of the
+        previous one's, still on the device; its logits' argmax becomes the next one's token there and is copied to
+        the host (`Ahead.read`), so the GPU runs it while the host turns over the step before. The caller advances
+        the state as it reads the tokens. Not for a model that stages host work before a step."""
+        assert self.static
+        capacity = self._make_room(state, start + 1)
+        inputs = self._inputs(1, False)
+        if token is not None:
+            inputs.tokens.fill_(token)
+        self.position.fill_(start)
+        hidden, logits = self._step((1, False), [state], state, (capacity, self._grown()))
+        torch.argmax(logits, -1, out=inputs.tokens)
+        picked = self.picked[self.launches % 2: self.launches % 2 + 1]
+        self.launches += 1
+        picked.copy_(inputs.tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Ahead(picked, done, hidden.clone() if keep_hidden else None)
+
+    @torch.inference_mode()
     def forward(self, tokens: list[int], state: SequenceState, hidden: torch.Tensor | None = None,
                 start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A static step of `tokens` at positions from `start` (default: after the state's; a verify step when
@@ -117,7 +156,8 @@ class Decoder:
         inputs = self._inputs(rows, False)
         self._load(inputs, tokens, state, hidden)
         self.position.fill_(start)
-        return self._step((rows, False), [state], state, (capacity, self._grown()))
+        hidden, logits = self._step((rows, False), [state], state, (capacity, self._grown()))
+        return hidden.clone(), logits.clone()  # a replay overwrites the graph's output buffers
 
     @torch.inference_mode()
     def step_batch(self, tokens: list[int], states: list[SequenceState]) -> torch.Tensor:
@@ -129,7 +169,7 @@ class Decoder:
         inputs = self._inputs(rows, True)
         inputs.tokens.copy_(torch.tensor(tokens))
         inputs.positions.copy_(torch.tensor([s.length for s in states]))
-        logits = self._step((rows, True), states, self._view(states), capacities)[1]
+        logits = self._step((rows, True), states, self._view(states), capacities)[1].clone()
         for state, token in zip(states, tokens):
             state.advance([token])
         return logits
@@ -167,7 +207,8 @@ class Decoder:
 
     def _step(self, key: tuple[int, bool], states: list[SequenceState], view: SequenceState, capacities: tuple):
         """Replay the step's graph when it was captured over these states' buffers, else run it (and capture it
-        when its rows are the first slots and every record is addressable)."""
+        when its rows are the first slots and every record is addressable); returns its hidden states and logits,
+        which the next replay overwrites."""
         rows, batched = key
         own = self._own(states)
         addresses = self.provider.address_table() if self.mode != "handshake" else None
@@ -185,7 +226,7 @@ class Decoder:
                 self._capture(key, view, addresses, capacities)  # after one eager run: compiled, allocated
         if addresses is not None:  # the provider saw none of this step's lookups
             self.provider.note_addressed(self._inputs(*key).routed)
-        return hidden.clone(), logits.clone()  # a replay overwrites the graph's output buffers
+        return hidden, logits
 
     def _in_pieces(self, key: tuple[int, bool], view: SequenceState, table, capacities: tuple):
         """The step's pieces replayed with the host's turn after each layer's routing; the first time (or over moved

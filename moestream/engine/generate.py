@@ -90,6 +90,7 @@ class Generation:
         self.prompt_logits: torch.Tensor | None = None  # the prompt's last logits, once prefilled (for `fork`)
         self._decode_start = self._prefill_start = 0.0
         self._chunk: tuple | None = None  # a launched chunk: (start, stop, its hidden rows or their Landing)
+        self.ahead = None  # a step launched before the last one's token was read (engine/decode.py Ahead)
 
     @property
     def prefilled(self) -> bool:
@@ -119,9 +120,13 @@ class Generation:
         return self._chunk is not None and (isinstance(self._chunk[2], torch.Tensor) or self._chunk[2].ready())
 
     def settle(self) -> None:
-        """Wait for a chunk launched aside (its sequence ends: its KV blocks may go to another only after it)."""
+        """Wait for a chunk launched aside or a step launched ahead (its sequence ends: its KV blocks may go to
+        another only after it)."""
         if self._chunk is not None and not isinstance(self._chunk[2], torch.Tensor):
             self._chunk = (*self._chunk[:2], self._chunk[2].hidden())  # later steps' work waits for it
+        if self.ahead is not None:
+            self.ahead.read()
+            self.ahead = None
 
     @torch.inference_mode()
     def land(self) -> list[Step]:
@@ -181,21 +186,42 @@ class Generation:
         """After a batched step that fed `last`, its greedy token (read with the other rows')."""
         return self._take([token])
 
+    def land_ahead(self) -> list[Step]:
+        """The step launched ahead, read (before a step of another kind)."""
+        if self.ahead is None:
+            return []
+        this, self.ahead = self.ahead, None
+        return self._read(this, time.perf_counter(), timed=False)
+
     @torch.inference_mode()
-    def step_alone(self, step, verify) -> list[Step]:
+    def step_alone(self, step, verify, ahead=None) -> list[Step]:
         """One step of this sequence alone: `step(token, state) -> logits`, or with the speculator, `verify(tokens,
         state) -> (hidden [T, H], logits [T, vocab])` over the last token and its drafts, of which `accept` keeps a
-        prefix; the speculator sees the hidden states of the kept rows."""
-        seq, speculator, last = self.seq, self.speculator, self.last
+        prefix; the speculator sees the hidden states of the kept rows. With `ahead` (Decoder.step_ahead), a greedy
+        step without drafts launches the next one before its own token is read, so that the GPU runs it while the
+        host takes this one's (a token that ends the sequence wastes it)."""
+        seq, speculator, tic = self.seq, self.speculator, time.perf_counter()
+        k = speculator.drafts(seq.params.max_tokens - len(seq.generated) - 1) if speculator is not None else 0
+        if ahead is not None and not k and self.sampler.greedy:
+            keep = speculator is not None and speculator.head is not None
+            state = seq.state
+            this = self.ahead or ahead(self.last, state, state.length, keep)
+            more = len(seq.generated) + 1 < seq.params.max_tokens  # else this step's token is the last
+            self.ahead = ahead(None, state, state.length + 1, keep) if more else None
+            return self._read(this, tic)
+        landed = self.land_ahead()  # drafts follow the tokens read
+        if landed and landed[-1].finish_reason:
+            return landed
+        last, tic = self.last, time.perf_counter()
         if speculator is None:
-            return self._take([self.sampler.pick(step(last, seq.state), self._history())])
-        tic, k = time.perf_counter(), speculator.drafts(seq.params.max_tokens - len(seq.generated) - 1)
+            return landed + self._take([self.sampler.pick(step(last, seq.state), self._history())])
+        k = min(k, seq.params.max_tokens - len(seq.generated) - 1)
         drafts = []
         if k:  # a plain step skips the drafter's calls: every step pays their host work when drafts never pay
             if (fused := speculator.fused_step(self.sampler, seq.generated, seq.state, k)) is not None:
                 tokens, primed = fused  # a step that first fed the head skipped rows is no measure of k's cost
                 speculator.record(k, len(tokens) - 1, time.perf_counter() - tic, timed=not primed)
-                return self._take(tokens)
+                return landed + self._take(tokens)
             drafts = speculator.propose(seq.generated, k)
         if drafts:
             hidden, rows = verify([last, *drafts], seq.state)
@@ -208,7 +234,16 @@ class Generation:
             pending = [self.sampler.pick(rows[0], self._history())]
         speculator.decoded(hidden)
         speculator.record(len(drafts), len(pending) - 1, time.perf_counter() - tic)
-        return self._take(pending)
+        return landed + self._take(pending)
+
+    def _read(self, step, tic: float, timed: bool = True) -> list[Step]:
+        """A step launched ahead, its token read; `tic`: when the step began (`timed`: its time is its depth's)."""
+        token = step.read()
+        self.seq.state.advance([self.last])
+        if self.speculator is not None:
+            self.speculator.decoded(step.hidden)
+            self.speculator.record(0, 0, time.perf_counter() - tic, timed)
+        return self._take([token])
 
     def _take(self, tokens: list[int | Pick]) -> list[Step]:
         p, t, out = self.seq.params, self.seq.timings, []

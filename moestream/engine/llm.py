@@ -87,12 +87,13 @@ class LLM:
         if cfg.speculation == "mtp" and not hasattr(self.model, "mtp"):
             raise ConfigError(f"--spec mtp: this store's MTP head does not load (want one layer and "
                               f"{head_class(self.model).marker}); use --spec lookup")
-        if cfg.max_drafts and any(t.host is None for t in ngram_tables(self.model)):
+        staged = any(t.host is None for t in ngram_tables(self.model))  # a step's rows read on the host before it
+        if cfg.max_drafts and staged:
             raise ConfigError("--spec needs the n-gram tables in host memory (--ngram-tier host): a verify step "
                               "reads several tokens' rows in place")
         # the MTP head keeps one sequence's cache, and a table on disk stages one sequence's rows before each step
         mtp = cfg.speculation == "mtp" and cfg.max_drafts > 0
-        self.max_batch = 1 if mtp or any(t.host is None for t in ngram_tables(self.model)) else cfg.max_batch
+        self.max_batch = 1 if mtp or staged else cfg.max_batch
         self.gpu_plan = None
         if cfg.gpu_gb is not None:
             strides = [self.store.manifest.layouts[p].stride for p in (cfg.expert.precision, cfg.expert.miss_precision)
@@ -112,7 +113,8 @@ class LLM:
         self.spec_stats, self.depth = SpecStats(), Depth(cfg.max_drafts, cfg.drafts)
         self.decoder = Decoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts,
                                max_batch=self.max_batch, kv_tokens=cfg.kv_limit)
-        self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk)
+        ahead = self.decoder.step_ahead if self.decoder.static and not staged else None
+        self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk, ahead)
         # the graphs' memory is not in a --gpu-gb plan yet: under one, padded prompts run eagerly (the same bits)
         self.prefiller = Prefiller(self.model, self.provider, self.decoder, self.device, self.dtype,
                                    cfg.decode_mode == "graph" and cfg.gpu_gb is None, cfg.prefill_sms)

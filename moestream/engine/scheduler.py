@@ -58,11 +58,12 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, decoder, max_batch: int, prefill_tokens: int):
+    def __init__(self, decoder, max_batch: int, prefill_tokens: int, ahead=None):
         """`max_batch`: the most sequences that run at once (1 with MTP drafts, or a PLE table on disk);
         `prefill_tokens`: the prompt tokens a step feeds, a chunk of one prompt or several short prompts whole;
-        while others decode, a prompt that would take the step past them waits for the next."""
-        self.decoder, self.max_batch, self.prefill_tokens = decoder, max_batch, prefill_tokens
+        while others decode, a prompt that would take the step past them waits for the next. `ahead`: the
+        decoder's `step_ahead` where a greedy sequence alone may step one ahead of the host (engine/decode.py)."""
+        self.decoder, self.max_batch, self.prefill_tokens, self.ahead = decoder, max_batch, prefill_tokens, ahead
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
         self.running: list[Request] = []  # in slot order: running[i] holds slot i
@@ -118,6 +119,9 @@ class Scheduler:
                 self.cancel(request)
         if self.forked is not None and not self._awaited(self.forked[0]):
             self._drop_forked()
+        if self.prompts:  # a sequence alone may have a step in flight: read before slots and graphs change
+            for request in list(self.running):
+                self._deliver(request, request.generation.land_ahead())
         spent = 0  # prompt tokens this step fed
         # prompts run aside only beside sequences that were decoding: into an idle engine, a burst comes in at once
         decoding = bool(self.running)
@@ -207,7 +211,8 @@ class Scheduler:
         self.batch_rows[rows] = self.batch_rows.get(rows, 0) + 1
         if rows == 1:
             g = running[0].generation
-            self._deliver(running[0], g.step_alone(self.decoder.step, self.decoder.forward))
+            ahead = None if self.prompts else self.ahead  # else read again at the next step's start
+            self._deliver(running[0], g.step_alone(self.decoder.step, self.decoder.forward, ahead))
             return
         gens = [r.generation for r in running]
         logits = self.decoder.step_batch([g.last for g in gens], [g.seq.state for g in gens])

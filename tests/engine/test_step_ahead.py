@@ -1,0 +1,47 @@
+"""Greedy steps launched one ahead of the host (Decoder.step_ahead): the tokens of steps read one by one, whatever
+ends the sequence or joins it."""
+
+import pytest
+
+from moestream.engine.llm import LLM
+from moestream.sampling import SamplingParams
+from tests.conftest import MODEL_TYPES
+from tests.engine.runs import prompt_of
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams, ahead: bool) -> list[list[int]]:
+    """Each prompt's tokens, one request after another, with steps ahead on or off."""
+    kept, launches = llm.scheduler.ahead, llm.decoder.launches
+    llm.scheduler.ahead = kept if ahead else None
+    try:
+        out = [llm.generate([p], params)[0].token_ids for p in prompts]
+    finally:
+        llm.scheduler.ahead = kept
+    assert (llm.decoder.launches > launches) == ahead
+    return out
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_steps_ahead_give_the_tokens_read_one_by_one(tiny, model_type):
+    llm = LLM(tiny.store(model_type), device="cpu")
+    try:
+        prompts = [prompt_of(llm, 5 + 7 * i, seed=i) for i in range(3)]
+        assert _tokens(llm, prompts, GREEDY, True) == _tokens(llm, prompts, GREEDY, False)
+    finally:
+        llm.close()
+
+
+def test_a_sequence_ended_by_its_token_wastes_its_step_ahead_and_the_next_is_untouched(tiny, monkeypatch):
+    llm = LLM(tiny.store("qwen3_next"), device="cpu")  # recurrent states: the wasted step writes them in place
+    try:
+        prompts = [prompt_of(llm, 9, seed=1), prompt_of(llm, 6, seed=2), prompt_of(llm, 9, seed=1)]
+        eos = _tokens(llm, prompts[:1], GREEDY, False)[0][4]
+        monkeypatch.setattr(LLM, "eos_ids", property(lambda self: {eos}))
+        params = SamplingParams(max_tokens=12)
+        ahead = _tokens(llm, prompts, params, True)
+        assert len(ahead[0]) <= 5 and ahead[0][-1] == eos
+        assert ahead == _tokens(llm, prompts, params, False)
+    finally:
+        llm.close()
