@@ -3,7 +3,9 @@ ends the sequence or joins it."""
 
 import pytest
 
+from moestream.cli.demo import DEMO_STORE
 from moestream.engine.llm import LLM
+from moestream.engine.speculation import Speculator
 from moestream.sampling import SamplingParams
 from tests.conftest import MODEL_TYPES
 from tests.engine.runs import prompt_of
@@ -45,3 +47,30 @@ def test_a_sequence_ended_by_its_token_wastes_its_step_ahead_and_the_next_is_unt
         assert ahead == _tokens(llm, prompts, params, False)
     finally:
         llm.close()
+
+
+
+def test_the_mtp_head_sees_the_rows_of_steps_taken_ahead(monkeypatch):
+    """Plain steps (ahead) between drafting ones: the same tokens, and the head, fed their hidden rows, keeps its
+    drafts as often (a drafting step lands one token later with steps ahead: the counts differ by position)."""
+    pattern, calls = [0, 0, 2, 0, 1, 0, 0, 0, 3], [0]
+
+    def drafts(self, limit: int) -> int:
+        calls[0] += 1
+        return min(pattern[calls[0] % len(pattern)], limit)
+
+    monkeypatch.setattr(Speculator, "drafts", drafts)
+    llm = LLM(DEMO_STORE, device="cpu", dtype="float32", speculation="mtp")
+    try:
+        prompt, runs = llm.tokenizer.encode("def parse(tokens):\n    stack = []\n    for token in tokens:\n"), []
+        for on in (True, False):
+            calls[0] = 0
+            before = llm.stats()["speculation"]
+            tokens = _tokens(llm, [prompt], SamplingParams(max_tokens=40, ignore_eos=True), on)
+            after = llm.stats()["speculation"]
+            kept, proposed = (after[k][0] - (before[k] or [0])[0] for k in ("accepted", "proposed"))
+            runs.append((tokens, kept / proposed))
+    finally:
+        llm.close()
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] > 0.5 and runs[1][1] > 0.5, runs  # 2 in 3 either way; rows out of place: 1 in 9
