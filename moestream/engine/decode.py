@@ -41,16 +41,17 @@ class StepInputs:
 
 
 class Ahead:
-    """A greedy one-row step launched before the host read the previous one's token (`Decoder.step_ahead`): its
-    token on its way to the host, and its final hidden state where it was kept [1, H]."""
+    """A greedy step launched before the host read the previous one's tokens (`Decoder.step_ahead`,
+    `step_batch_ahead`): its rows' tokens on their way to the host, and a lone row's final hidden state where it was
+    kept [1, H]."""
 
     def __init__(self, token: torch.Tensor, done: torch.cuda.Event | None, hidden: torch.Tensor | None):
         self.token, self.done, self.hidden = token, done, hidden
 
-    def read(self) -> int:
+    def read(self) -> list[int]:
         if self.done is not None:
             self.done.synchronize()
-        return int(self.token[0])
+        return self.token.tolist()
 
 
 class Decoder:
@@ -75,7 +76,7 @@ class Decoder:
         self.views: dict[int, SequenceState] = {}  # rows -> the batched view of the first slots' states
         self.kv_tokens, self.kv = kv_tokens, None  # the slots' KV pool (layers/kv.py), made with the first slot
         # the launched steps' tokens for the host, two so that the next step's copy never meets the one being read
-        self.picked = torch.zeros(2, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.picked = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
         self.launches = 0
         if self.static:
             self.slots.append(self._static_state())
@@ -134,15 +135,37 @@ class Decoder:
             inputs.tokens.fill_(token)
         self.position.fill_(start)
         hidden, logits = self._step((1, False), [state], state, (capacity, self._grown()))
+        return self._picked(inputs, logits, hidden.clone() if keep_hidden else None)
+
+    @torch.inference_mode()
+    def step_batch_ahead(self, tokens: list[int] | None, states: list[SequenceState]) -> Ahead:
+        """`step_batch` launched ahead: of `tokens[r]` after `states[r]`'s, or (None) of the previous batched step's
+        tokens, still on the device, over the same states, one position on (the caller advances the states as it
+        reads the tokens)."""
+        rows = len(states)
+        assert self.static and 1 < rows <= self.max_batch
+        inputs = self._inputs(rows, True)
+        on = int(tokens is None)  # the step before is in flight: the states are a row behind
+        capacities = (*(self._make_room(state, state.length + on + 1) for state in states), self._grown())
+        if tokens is None:
+            inputs.positions.add_(1)
+        else:
+            inputs.tokens.copy_(torch.tensor(tokens))
+            inputs.positions.copy_(torch.tensor([s.length for s in states]))
+        logits = self._step((rows, True), states, self._view(states), capacities)[1]
+        return self._picked(inputs, logits, None)
+
+    def _picked(self, inputs: StepInputs, logits: torch.Tensor, hidden: torch.Tensor | None) -> Ahead:
+        """The step's argmax as the next step's tokens, and on their way to the host."""
         torch.argmax(logits, -1, out=inputs.tokens)
-        picked = self.picked[self.launches % 2: self.launches % 2 + 1]
+        picked = self.picked[self.launches % 2, :len(inputs.tokens)]
         self.launches += 1
         picked.copy_(inputs.tokens, non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Ahead(picked, done, hidden.clone() if keep_hidden else None)
+        return Ahead(picked, done, hidden)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], state: SequenceState, hidden: torch.Tensor | None = None,

@@ -182,10 +182,6 @@ class Generation:
         """After a batched step that fed `last`: the next token from its row's logits [vocab]."""
         return self._take([self.sampler.pick(logits, self._history())])
 
-    def take_token(self, token: int) -> list[Step]:
-        """After a batched step that fed `last`, its greedy token (read with the other rows')."""
-        return self._take([token])
-
     def land_ahead(self) -> list[Step]:
         """The step launched ahead, read (before a step of another kind)."""
         if self.ahead is None:
@@ -238,11 +234,15 @@ class Generation:
 
     def _read(self, step, tic: float, timed: bool = True) -> list[Step]:
         """A step launched ahead, its token read; `tic`: when the step began (`timed`: its time is its depth's)."""
-        token = step.read()
-        self.seq.state.advance([self.last])
+        token, = step.read()
         if self.speculator is not None:
             self.speculator.decoded(step.hidden)
             self.speculator.record(0, 0, time.perf_counter() - tic, timed)
+        return self.take_ahead(token)
+
+    def take_ahead(self, token: int) -> list[Step]:
+        """After a step launched ahead that fed `last` (its state not yet advanced), its token."""
+        self.seq.state.advance([self.last])
         return self._take([token])
 
     def _take(self, tokens: list[int | Pick]) -> list[Step]:

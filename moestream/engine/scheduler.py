@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from moestream.engine.decode import Ahead
 from moestream.engine.generate import Generation, Step
 from moestream.engine.prefix_cache import host_snapshot
 from moestream.layers.kv import blocks_for
@@ -62,8 +63,9 @@ class Scheduler:
         """`max_batch`: the most sequences that run at once (1 with MTP drafts, or a PLE table on disk);
         `prefill_tokens`: the prompt tokens a step feeds, a chunk of one prompt or several short prompts whole;
         while others decode, a prompt that would take the step past them waits for the next. `ahead`: the
-        decoder's `step_ahead` where a greedy sequence alone may step one ahead of the host (engine/decode.py)."""
+        decoder's `step_ahead` where greedy steps may run one ahead of the host (engine/decode.py)."""
         self.decoder, self.max_batch, self.prefill_tokens, self.ahead = decoder, max_batch, prefill_tokens, ahead
+        self.flight: tuple[list[Request], Ahead] | None = None  # the rows of a batched step launched ahead, and it
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
         self.running: list[Request] = []  # in slot order: running[i] holds slot i
@@ -105,6 +107,7 @@ class Scheduler:
         """After a step failed: every request in flight ends (the caller reports the error); returns them."""
         failed = [*self.running, *([self.prefilling] if self.prefilling else []), *self.waiting]
         self.waiting.clear()
+        self.flight = None
         for request in failed:
             self._finish(request, "error")
         return failed
@@ -119,9 +122,8 @@ class Scheduler:
                 self.cancel(request)
         if self.forked is not None and not self._awaited(self.forked[0]):
             self._drop_forked()
-        if self.prompts:  # a sequence alone may have a step in flight: read before slots and graphs change
-            for request in list(self.running):
-                self._deliver(request, request.generation.land_ahead())
+        if self.prompts:  # a step may be in flight: read before slots and graphs change
+            self._land()
         spent = 0  # prompt tokens this step fed
         # prompts run aside only beside sequences that were decoding: into an idle engine, a burst comes in at once
         decoding = bool(self.running)
@@ -205,9 +207,23 @@ class Scheduler:
             request.slot = target
         self.running.append(request)
 
+    def _land(self) -> None:
+        """Read the steps launched ahead: a batched one's rows, a sequence alone's."""
+        if self.flight is not None:
+            (requests, step), self.flight = self.flight, None
+            for request, token in zip(requests, step.read()):
+                if not request.finished:  # else its row was wasted
+                    self._deliver(request, request.generation.take_ahead(token))
+        for request in list(self.running):
+            self._deliver(request, request.generation.land_ahead())
+
     def _decode(self) -> None:
+        if self.flight is not None and not _same(self.flight[0], self.running):  # rows ended: the batch changes
+            self._land()
         running = list(self.running)
         rows = len(running)
+        if not rows:
+            return
         self.batch_rows[rows] = self.batch_rows.get(rows, 0) + 1
         if rows == 1:
             g = running[0].generation
@@ -215,13 +231,20 @@ class Scheduler:
             self._deliver(running[0], g.step_alone(self.decoder.step, self.decoder.forward, ahead))
             return
         gens = [r.generation for r in running]
-        logits = self.decoder.step_batch([g.last for g in gens], [g.seq.state for g in gens])
-        if all(g.sampler.greedy for g in gens):  # every row's token in one read
-            for request, token in zip(running, logits.argmax(-1).tolist()):
-                self._deliver(request, request.generation.take_token(token))
-        else:
+        if not all(g.sampler.greedy for g in gens):
+            logits = self.decoder.step_batch([g.last for g in gens], [g.seq.state for g in gens])
             for request, row in zip(running, logits):
                 self._deliver(request, request.generation.take(row))
+            return
+        states = [g.seq.state for g in gens]
+        this = self.flight[1] if self.flight is not None else \
+            self.decoder.step_batch_ahead([g.last for g in gens], states)
+        self.flight = None
+        if self.ahead is not None and not self.prompts and all(  # else a row's next token is its last
+                len(g.seq.generated) + 1 < g.seq.params.max_tokens for g in gens):
+            self.flight = running, self.decoder.step_batch_ahead(None, states)
+        for request, token in zip(running, this.read()):  # every row's token in one read
+            self._deliver(request, request.generation.take_ahead(token))
 
     def _deliver(self, request: Request, steps: list[Step]) -> None:
         request.steps.extend(steps)
@@ -244,3 +267,7 @@ class Scheduler:
                 last.generation.seq.state = self.decoder.move(last.slot, i)
                 last.slot = i
                 self.running[i] = last
+
+
+def _same(a: list[Request], b: list[Request]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

@@ -74,3 +74,30 @@ def test_the_mtp_head_sees_the_rows_of_steps_taken_ahead(monkeypatch):
         llm.close()
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] > 0.5 and runs[1][1] > 0.5, runs  # 2 in 3 either way; rows out of place: 1 in 9
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+def test_batched_steps_ahead_give_each_row_its_tokens_as_rows_end(tiny, model_type, monkeypatch):
+    """Four requests together, rows ending at their own tokens (the last running one moves into a freed slot while
+    the next step is in flight): each gets the tokens of batched steps read one by one, and of its run alone."""
+    llm = LLM(tiny.store(model_type), device="cpu")
+    try:
+        prompts = [prompt_of(llm, 4 + 3 * i, seed=10 + i) for i in range(4)]
+        alone = _tokens(llm, prompts, GREEDY, False)
+        eos = {alone[0][5], alone[2][8]}
+        monkeypatch.setattr(LLM, "eos_ids", property(lambda self: eos))
+        params = SamplingParams(max_tokens=12)
+        launch, ahead = llm.decoder.step_batch_ahead, []
+        llm.decoder.step_batch_ahead = lambda tokens, states: ahead.append(tokens is None) or launch(tokens, states)
+        runs = []
+        for on in (True, False):
+            kept = llm.scheduler.ahead
+            llm.scheduler.ahead = kept if on else None
+            runs.append([out.token_ids for out in llm.generate(prompts, params)])
+            llm.scheduler.ahead = kept
+            assert max(llm.scheduler.batch_rows) == 4 and any(ahead) == on
+            ahead.clear()
+        assert runs[0] == runs[1] == _tokens(llm, prompts, params, False)
+        assert any(len(tokens) < 12 for tokens in runs[0])
+    finally:
+        llm.close()
