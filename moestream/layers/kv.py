@@ -167,7 +167,9 @@ class BlockTable:
             return
         ids = torch.tensor(self.blocks[first:], dtype=torch.int64)
         rows = (ids[:, None] * BLOCK_ROWS + torch.arange(BLOCK_ROWS)).flatten()[: self.capacity - start]
-        self.row_map[start: start + rows.shape[0]].copy_(rows)
+        if self.row_map.is_cuda:  # no host wait: a decode step in flight (engine/decode.py step_ahead) runs on
+            rows = rows.pin_memory()
+        self.row_map[start: start + rows.shape[0]].copy_(rows, non_blocking=self.row_map.is_cuda)
 
 
 @dataclass
