@@ -32,7 +32,7 @@ def main() -> None:
     hidden, logits = torch.zeros(1, llm.config.hidden_size), torch.zeros(1, llm.config.vocab_size)
     logits[0, 5] = 1.0
     llm.decoder.forward = lambda tokens, state, *rest, **options: (hidden.clone(), logits.clone())  # no kernels
-    llm.scheduler.ahead = lambda token, state, start, keep: Ahead(torch.tensor([5]), None, hidden if keep else None)
+    llm.scheduler.ahead = lambda token, state, keep: Ahead(torch.tensor([5]), None, hidden if keep else None)
     prompt, params = list(range(100, 164)), SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     on = llm.engine_config
     arms = {"off": dataclasses.replace(on, speculation="off"), "depth_0": on}

@@ -123,12 +123,13 @@ class Decoder:
         return logits[0]
 
     @torch.inference_mode()
-    def step_ahead(self, token: int | None, state: SequenceState, start: int, keep_hidden: bool = False) -> Ahead:
-        """A greedy one-row step at position `start` that the host need not wait for: of `token`, or (None) of the
-        previous one's, still on the device; its logits' argmax becomes the next one's token there and is copied to
-        the host (`Ahead.read`), so the GPU runs it while the host turns over the step before. The caller advances
-        the state as it reads the tokens. Not for a model that stages host work before a step."""
+    def step_ahead(self, token: int | None, state: SequenceState, keep_hidden: bool = False) -> Ahead:
+        """A greedy one-row step that the host need not wait for: of `token` after the state's, or (None) of the
+        previous one's, still on the device, one position on; its logits' argmax becomes the next one's token there
+        and is copied to the host (`Ahead.read`), so the GPU runs it while the host turns over the step before. The
+        caller advances the state as it reads the tokens. Not for a model that stages host work before a step."""
         assert self.static
+        start = state.length + (token is None)  # the step before is in flight: the state is a row behind
         capacity = self._make_room(state, start + 1)
         inputs = self._inputs(1, False)
         if token is not None:
@@ -139,13 +140,12 @@ class Decoder:
 
     @torch.inference_mode()
     def step_batch_ahead(self, tokens: list[int] | None, states: list[SequenceState]) -> Ahead:
-        """`step_batch` launched ahead: of `tokens[r]` after `states[r]`'s, or (None) of the previous batched step's
-        tokens, still on the device, over the same states, one position on (the caller advances the states as it
-        reads the tokens)."""
+        """`step_ahead` for several sequences: of `tokens[r]` after `states[r]`'s, or (None) of the previous batched
+        step's tokens over the same states, one position on."""
         rows = len(states)
         assert self.static and 1 < rows <= self.max_batch
         inputs = self._inputs(rows, True)
-        on = int(tokens is None)  # the step before is in flight: the states are a row behind
+        on = int(tokens is None)
         capacities = (*(self._make_room(state, state.length + on + 1) for state in states), self._grown())
         if tokens is None:
             inputs.positions.add_(1)

@@ -200,10 +200,9 @@ class Generation:
         k = speculator.drafts(seq.params.max_tokens - len(seq.generated) - 1) if speculator is not None else 0
         if ahead is not None and not k and self.sampler.greedy:
             keep = speculator is not None and speculator.head is not None
-            state = seq.state
-            this = self.ahead or ahead(self.last, state, state.length, keep)
+            this = self.ahead or ahead(self.last, seq.state, keep)
             more = len(seq.generated) + 1 < seq.params.max_tokens  # else this step's token is the last
-            self.ahead = ahead(None, state, state.length + 1, keep) if more else None
+            self.ahead = ahead(None, seq.state, keep) if more else None
             return self._read(this, tic)
         landed = self.land_ahead()  # drafts follow the tokens read
         if landed and landed[-1].finish_reason:
