@@ -75,8 +75,11 @@ class Decoder:
         self.slots: list[SequenceState] = []  # the static steps' own states, which the graphs read and write
         self.views: dict[int, SequenceState] = {}  # rows -> the batched view of the first slots' states
         self.kv_tokens, self.kv = kv_tokens, None  # the slots' KV pool (layers/kv.py), made with the first slot
-        # the launched steps' tokens for the host, two so that the next step's copy never meets the one being read
-        self.picked = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
+        # the launched steps' tokens for the host and their events, two so that the next step's copy never meets the
+        # one being read
+        cuda = device.type == "cuda"
+        self.picked = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=cuda)
+        self.picked_done = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
         self.launches = 0
         if self.static:
             self.slots.append(self._static_state())
@@ -150,20 +153,17 @@ class Decoder:
         if tokens is None:
             inputs.positions.add_(1)
         else:
-            inputs.tokens.copy_(torch.tensor(tokens))
-            inputs.positions.copy_(torch.tensor([s.length for s in states]))
+            self._load_batch(inputs, tokens, states)
         logits = self._step((rows, True), states, self._view(states), capacities)[1]
         return self._picked(inputs, logits, None)
 
     def _picked(self, inputs: StepInputs, logits: torch.Tensor, hidden: torch.Tensor | None) -> Ahead:
         """The step's argmax as the next step's tokens, and on their way to the host."""
         torch.argmax(logits, -1, out=inputs.tokens)
-        picked = self.picked[self.launches % 2, :len(inputs.tokens)]
-        self.launches += 1
+        which, self.launches = self.launches % 2, self.launches + 1
+        picked, done = self.picked[which, :len(inputs.tokens)], self.picked_done[which]
         picked.copy_(inputs.tokens, non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
+        if done is not None:
             done.record()
         return Ahead(picked, done, hidden)
 
@@ -190,8 +190,7 @@ class Decoder:
         assert self.static and 1 < rows <= self.max_batch
         capacities = (*(self._make_room(state, state.length + 1) for state in states), self._grown())
         inputs = self._inputs(rows, True)
-        inputs.tokens.copy_(torch.tensor(tokens))
-        inputs.positions.copy_(torch.tensor([s.length for s in states]))
+        self._load_batch(inputs, tokens, states)
         logits = self._step((rows, True), states, self._view(states), capacities)[1].clone()
         for state, token in zip(states, tokens):
             state.advance([token])
@@ -337,6 +336,10 @@ class Decoder:
             inputs.tokens.fill_(tokens[0])
         else:
             inputs.tokens.copy_(torch.tensor(tokens))
+
+    def _load_batch(self, inputs: StepInputs, tokens: list[int], states: list[SequenceState]) -> None:
+        inputs.tokens.copy_(torch.tensor(tokens))
+        inputs.positions.copy_(torch.tensor([s.length for s in states]))
 
     def _forward(self, inputs: StepInputs, state: SequenceState, ctx: StepContext) -> torch.Tensor:
         return self.model(inputs.tokens, state, ctx)

@@ -167,7 +167,7 @@ class BlockTable:
             return
         ids = torch.tensor(self.blocks[first:], dtype=torch.int64)
         rows = (ids[:, None] * BLOCK_ROWS + torch.arange(BLOCK_ROWS)).flatten()[: self.capacity - start]
-        if self.row_map.is_cuda:  # no host wait: a decode step in flight (engine/decode.py step_ahead) runs on
+        if self.row_map.is_cuda:  # no host wait, so a decode step in flight (Decoder.step_ahead) keeps the GPU busy
             rows = rows.pin_memory()
         self.row_map[start: start + rows.shape[0]].copy_(rows, non_blocking=self.row_map.is_cuda)
 

@@ -49,7 +49,6 @@ def test_a_sequence_ended_by_its_token_wastes_its_step_ahead_and_the_next_is_unt
         llm.close()
 
 
-
 def test_the_mtp_head_sees_the_rows_of_steps_taken_ahead(monkeypatch):
     """Plain steps (ahead) between drafting ones: the same tokens, and the head, fed their hidden rows, keeps its
     drafts as often (a drafting step lands one token later with steps ahead: the counts differ by position)."""
