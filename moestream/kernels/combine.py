@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from moestream.kernels.launch import dependent
-
 BLOCK = 1024  # columns a program: the flagship's 2560 in three programs a token
 
 
@@ -42,6 +40,5 @@ def combine_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor
                                       shared.contiguous() if has_shared else y,
                                       shared_gate.contiguous() if has_shared else y, total, weight, out, eps, D=h,
                                       BLOCK=triton.next_power_of_2(h), TOP_K=k, SHARED=has_shared,
-                                      ZERO_CENTERED=zero_centered, TRIGGER=dependent(x),
-                                      num_warps=4 if h >= 1024 else 1)
+                                      ZERO_CENTERED=zero_centered, num_warps=4 if h >= 1024 else 1)
     return total, out

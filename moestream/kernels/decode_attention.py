@@ -8,7 +8,7 @@ import math
 import torch
 import triton
 
-from moestream.kernels.launch import arrival_counts, dependent
+from moestream.kernels.launch import arrival_counts
 
 BLOCK_N = 64  # positions per inner step of the split kernel
 # over listed rows (QSA's ~2k): 32 a step, as the indices take registers that 64 would spill at D 256, and short
@@ -91,5 +91,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         d if gate is None else gate.stride(1), hq * d if gate is None else gate.stride(0),
         scale * math.log2(math.e), entries, programs, HKV=hkv, G=g, D=d, GP=max(16, triton.next_power_of_2(g)),
         BLOCK_N=block_n, SPLIT_LEN=length, SPLITS=count, ROWS=rows is not None, MAP=mapped, OFFSETS=per_token,
-        GATE=gate is not None, TRIGGER=dependent(q), num_warps=4 if d <= 128 else 8)
+        GATE=gate is not None, num_warps=4 if d <= 128 else 8)
     return out

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.kernels.launch import arrival_counts, dependent, options
+from moestream.kernels.launch import arrival_counts
 
-BK = 128  # K chunk: a [16, BK] x [BK, BN] tensor-core product; a span of two is one (all loaded before a wait)
+BK = 128  # K chunk: a [16, BK] x [BK, BN] tensor-core product
 MIN_PROGRAMS = 528  # four blocks an SM of the H200's 132
 
 
@@ -70,9 +70,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if route is not None:
         shape = dict(ROUTE=True, E=route.experts, E_BLOCK=1 << (route.experts - 1).bit_length(), TOP_K=route.top_k,
                      K_BLOCK=1 << (route.top_k - 1).bit_length(), NORMALISE=route.normalise)
-    pdl = dependent(x)  # the weights stream while the kernel before, whose output x is, still runs
     dense_rows_kernel[(-(-n // bn), splits)](
         x, x if up is None else up, weight, bias_or_any, y, part, counts, *(routed or (y, y)), t, n, x.stride(0),
-        K=k, BN=bn, BK=span if span <= 2 * BK else BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None,
-        GLU=up is not None, **shape, PDL=pdl, num_warps=4, num_stages=3, **options(pdl))
+        K=k, BN=bn, BK=BK, SPAN=span, SPLITS=splits, HAS_BIAS=bias is not None, GLU=up is not None, **shape,
+        num_warps=4, num_stages=3)
     return y if route is None else (y, *routed)

@@ -1,7 +1,6 @@
-"""Programmatic dependent launch (Hopper on): the expert down GEMV launches as a dependent of gate/up, and the
-dense GEMV as one of the norm or attention kernel before it, so each starts while that kernel still runs, loads
-its first weights, and waits (griddepcontrol.wait) before it reads its input. Launching every decode kernel this
-way, each waiting first, measured slower (docs/performance.md). And the
+"""Programmatic dependent launch (Hopper on): the expert down GEMV launches as a dependent of gate/up, so it
+starts while gate/up still runs, loads its first weights, and waits (griddepcontrol.wait) before it reads h.
+Launching every decode kernel this way measured slower beside the Triton dense GEMV (docs/performance.md). And the
 arrival counts of kernels whose last program to finish a piece of work completes it (one launch, not two)."""
 
 from __future__ import annotations

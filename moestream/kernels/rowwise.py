@@ -6,8 +6,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from moestream.kernels.launch import dependent
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     return _rms_norm(x, None, weight, eps, zero_centered)[1]
@@ -35,7 +33,7 @@ def _rms_norm(x, residual, weight, eps, zero_centered, group_size=None) -> tuple
     total = x if residual is None else torch.empty_like(x)
     rms_norm_kernel[(x.numel() // d,)](x, x if residual is None else residual, total, weight, out, eps, D=d,
                                       BLOCK=triton.next_power_of_2(d), ZERO_CENTERED=zero_centered,
-                                      ADD=residual is not None, GROUPS=weight.numel() // d, TRIGGER=dependent(x),
+                                      ADD=residual is not None, GROUPS=weight.numel() // d,
                                       num_warps=4 if d >= 1024 else 1)
     return total, out
 

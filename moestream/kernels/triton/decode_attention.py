@@ -8,7 +8,6 @@ serves every step; a token's bits depend neither on how many share the launch no
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -16,16 +15,12 @@ def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, map_ptr, moff_ptr, pos_pt
                                   counts_ptr, gate_ptr, out_ptr, GATE_STRIDE, GATE_ROW, qk_scale, C, PROGRAMS,
                                   HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
                                   BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
-                                  ROWS: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr, GATE: tl.constexpr,
-                                  TRIGGER: tl.constexpr):
+                                  ROWS: tl.constexpr, MAP: tl.constexpr, OFFSETS: tl.constexpr, GATE: tl.constexpr):
     """Partials of each live split s for kv head hk and query token t: acc [G, D] = sum_n p_n v_n, m = max score,
     l = sum_n p_n, with scores in log2 units (qk_scale = scale * log2(e)). With MAP, position p is stored at row
     map[p] (a paged cache), token t's map starting moff[t] elements past map_ptr with OFFSETS (a batch's rows, each
     its own sequence's map); else at row p. Token t's position is pos[t]. With ROWS, the positions are the C entries
-    of rows_ptr (-1 for none) instead of 0..position. Program p takes splits p, p + PROGRAMS, ... TRIGGER: a
-    dependent launch after it (the output projection's GEMV) may start now, to load its weights while this runs."""
-    if TRIGGER:
-        gdc_launch_dependents()
+    of rows_ptr (-1 for none) instead of 0..position. Program p takes splits p, p + PROGRAMS, ..."""
     hk = tl.program_id(0)
     t = tl.program_id(2)
     if OFFSETS:

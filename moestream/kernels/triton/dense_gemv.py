@@ -3,33 +3,12 @@ them, fp32 accumulation in tensor-core products; with GLU, x = silu(gate) * up (
 each rounded to the activation dtype as torch rounds them. Where K is split, the last of a block's programs to
 finish sums the parts (one launch, not a GEMV and a reduction: a decode step ran three such pairs a layer). A
 router's launch also routes: the last block to finish turns the rows' logits into top-k weights and ids (one
-launch, not two). As a programmatic dependent launch, a program's first weights load before it waits for the
-kernel before (whose output is its input), so the weights stream while that kernel runs."""
+launch, not two)."""
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from moestream.kernels.triton.rowwise import top_k_rows
-
-
-@triton.jit
-def _weights(w_ptr, n, live, k, end, K: tl.constexpr):
-    return tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & (k < end)[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _product(acc, x_ptr, up_ptr, w, k, rows, T, end, stride_x, GLU: tl.constexpr):
-    """acc + x[:, k] @ w.T for the 16 rows (those past T zeros), x = silu(gate) * up with GLU."""
-    inside = (rows < T)[:, None] & (k < end)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=inside, other=0.0)
-    if GLU:
-        dt = x_ptr.dtype.element_ty
-        g = x.to(tl.float32)
-        x = ((g / (1.0 + tl.exp(-g))).to(dt) * tl.load(up_ptr + rows[:, None] * stride_x + k[None, :], mask=inside,
-                                                       other=0.0)).to(dt)
-    return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -37,28 +16,32 @@ def dense_rows_kernel(x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrivals_ptr
                       stride_x, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
                       SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, ROUTE: tl.constexpr,
                       E: tl.constexpr, E_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr,
-                      NORMALISE: tl.constexpr, PDL: tl.constexpr):
+                      NORMALISE: tl.constexpr):
     """Program (i, s): the BN weight rows n of block i for all of the step's token rows, 16 of them with the ones
     past T masked (zeros), over columns s * SPAN .. (s + 1) * SPAN in chunks of BK, one tensor-core product a
     chunk. The weights are read once for every row, and a row's bits do not depend on T: the other rows of the
     tile never meet it in a product (batch invariance). With SPLITS, each program stores its fp32 part and counts
     itself in arrivals[i]; the last to arrive adds the parts in split order (the same bits every run) and resets the
     count for the next launch. With ROUTE, each block's last program counts the block in arrivals[blocks]; the last
-    block routes every row from its first E outputs (top_k_rows) into route_w, route_ids [T, TOP_K]. With PDL, the
-    first chunk's weights load before the input is awaited."""
+    block routes every row from its first E outputs (top_k_rows) into route_w, route_ids [T, TOP_K]."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     live = n < N
     start = tl.program_id(1) * SPAN
     end = tl.minimum(start + SPAN, K)
     rows = tl.arange(0, 16)
-    w = _weights(w_ptr, n, live, start + tl.arange(0, BK), end, K)
-    if PDL:
-        gdc_wait()
-    acc = _product(tl.zeros((16, BN), dtype=tl.float32), x_ptr, up_ptr, w, start + tl.arange(0, BK), rows, T, end,
-                   stride_x, GLU)
-    for k0 in range(start + BK, end, BK):
+    acc = tl.zeros((16, BN), dtype=tl.float32)
+    for k0 in range(start, end, BK):
         k = k0 + tl.arange(0, BK)
-        acc = _product(acc, x_ptr, up_ptr, _weights(w_ptr, n, live, k, end, K), k, rows, T, end, stride_x, GLU)
+        inside = (rows < T)[:, None] & (k < end)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=inside, other=0.0)
+        if GLU:
+            dt = x_ptr.dtype.element_ty
+            g = x.to(tl.float32)
+            x = ((g / (1.0 + tl.exp(-g))).to(dt) * tl.load(up_ptr + rows[:, None] * stride_x + k[None, :],
+                                                           mask=inside, other=0.0)).to(dt)
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=live[:, None] & (k < end)[None, :],
+                    other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     out = rows[:, None] < T
     mine = out & live[None, :]
     last = True

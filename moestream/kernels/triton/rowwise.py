@@ -5,7 +5,6 @@ program per token)."""
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from moestream.kernels.triton.combine import combined
 
@@ -21,13 +20,10 @@ def _normed(x, inv_rms, w, dt, ZERO_CENTERED: tl.constexpr):
 
 @triton.jit
 def rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr,
-                    ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr, GROUPS: tl.constexpr, TRIGGER: tl.constexpr):
+                    ZERO_CENTERED: tl.constexpr, ADD: tl.constexpr, GROUPS: tl.constexpr):
     """out[r] = w * norm(x[r]), or (1 + w) * norm(x[r]) with ZERO_CENTERED; w is slice r % GROUPS of the weight
     [GROUPS * D] (grouped norms: row r of the [T * GROUPS, D] view). With ADD the row is first
-    x[r] + res[r], rounded to x's dtype and stored to sum[r] (the residual stream, in the same launch). TRIGGER: a
-    dependent launch after it (the dense GEMV) may start now, to load its weights while this runs."""
-    if TRIGGER:
-        gdc_launch_dependents()
+    x[r] + res[r], rounded to x's dtype and stored to sum[r] (the residual stream, in the same launch)."""
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     inside = d < D
@@ -44,11 +40,9 @@ def rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, eps, D: tl.constexp
 @triton.jit
 def combine_add_rms_norm_kernel(x_ptr, y_ptr, rw_ptr, shared_ptr, gate_ptr, sum_ptr, w_ptr, out_ptr, eps,
                                 D: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-                                ZERO_CENTERED: tl.constexpr, TRIGGER: tl.constexpr):
+                                ZERO_CENTERED: tl.constexpr):
     """rms_norm_kernel with ADD, its residual row the MoE block's output made here (combine_kernel's `combined`)
-    rather than read: sum[r] = x[r] + combined(r), out[r] = its RMSNorm, in one launch (TRIGGER as there)."""
-    if TRIGGER:
-        gdc_launch_dependents()
+    rather than read: sum[r] = x[r] + combined(r), out[r] = its RMSNorm, in one launch."""
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     inside = d < D
