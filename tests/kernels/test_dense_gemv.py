@@ -100,6 +100,42 @@ def test_split_launches_repeat_their_bits_eagerly_and_in_a_graph():
     assert torch.equal(out, first)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA graph")
+def test_gemvs_after_norms_read_what_the_norm_wrote():
+    """A decode step's norm -> GEMV chain, replayed in a CUDA graph on new inputs, equals the reference: a GEMV that
+    starts while the norm before it runs (a dependent launch on Hopper) reads the norm's output, not the buffer's
+    previous contents."""
+    from moestream.kernels import ops, reference
+
+    gen = torch.Generator().manual_seed(11)
+    k, layers, eps = 2048, 4, 1e-6
+    weights = [(torch.randn(k, k, generator=gen) * k ** -0.5).to(DEVICE, DTYPE) for _ in range(layers)]
+    norms = [(1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, DTYPE) for _ in range(layers)]
+
+    def chain(x, rms_norm, add_rms_norm, linear):
+        h, y = x, linear(rms_norm(x, norms[0], eps, False), weights[0])
+        for w, g in zip(weights[1:], norms[1:]):
+            h, normed = add_rms_norm(y, h, g, eps, False)
+            y = linear(normed, w)
+        return y
+
+    x = torch.zeros(1, k, device=DEVICE, dtype=DTYPE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(x, ops.rms_norm, ops.add_rms_norm, ops.linear)  # compiles and makes the counts outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x, ops.rms_norm, ops.add_rms_norm, ops.linear)
+    for seed in range(3):
+        x.copy_(torch.randn(1, k, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        want = chain(x.float(), reference.rms_norm, reference.add_rms_norm,
+                     lambda a, w: torch.nn.functional.linear(a, w.float()))
+        torch.testing.assert_close(out.float(), want, atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.parametrize("n,k,experts,top_k,rows", [(128, 2048, 128, 8, 1), (128, 2048, 128, 8, 16),
                                                      (1537, 2560, 512, 10, 3), (60, 96, 60, 4, 2)])
 def test_a_routers_launch_routes_its_rows(n, k, experts, top_k, rows):
