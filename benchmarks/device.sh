@@ -6,6 +6,10 @@
 # stay in $OUT/kernels/expert_mlp.json: commit them by hand. Name the commit sent with MOESTREAM_COMMIT=...
 set -uo pipefail
 SITE="${PYTHONPATH:-}"  # wheels carried to the machine (/tmp/site), kept behind each tree
+if [ -z "$SITE" ] && ls .whl/*.whl > /dev/null 2>&1; then  # carried in .whl (fla-core: the DeltaNet models' tests)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && SITE=/tmp/site
+fi
 export PYTHONPATH="$PWD${SITE:+:$SITE}" PYTHONUNBUFFERED=1
 export MOESTREAM_BENCH_DIR="${MOESTREAM_BENCH_DIR:-/tmp/moestream-bench}"
 WORK="$MOESTREAM_BENCH_DIR"
