@@ -31,7 +31,6 @@ from moestream.engine.stream import RequestOutput, TextStream
 from moestream.errors import BudgetError, ConfigError, MoestreamError, RequestError
 from moestream.experts.provider import ExpertProvider, ExpertStep
 from moestream.experts.store import open_store
-from moestream.layers.attention import Attention, warm_long_prompts
 from moestream.layers.context import StepContext
 from moestream.layers.kv import BLOCK_ROWS
 from moestream.models.mtp import head_class
@@ -167,8 +166,7 @@ class LLM:
     @torch.inference_mode()
     def warm(self) -> None:
         """Load the tokenizer, run once every kernel a request uses (a one-token and a 512-token prompt of random
-        ids, their experts computed from a scratch record, so that nothing is fetched or counted, and the attention
-        of every whole prompt's padded length up to a chunk) and capture the
+        ids, their experts computed from a scratch record, so that nothing is fetched or counted) and capture the
         decode and prefill graphs; with every record in the pool, two whole requests too, past the graphs' sizes (they
         fetch nothing; their counts are taken back). The first request then runs as fast as the tenth."""
         from moestream.engine.progress import status
@@ -184,10 +182,6 @@ class LLM:
                 state = self.model.new_state(self.dtype, self.device)
                 ctx = StepContext.eager(0, len(ids), self.device, ExpertStep(scratch=True))
                 self.model(ids.to(self.device), state, ctx)
-            if torch.device(self.device).type == "cuda":  # cuDNN's attention graph for each long prompt's length
-                layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-                for shape in {(m.heads, m.kv_heads, m.head_dim) for m in layers}:
-                    warm_long_prompts(*shape, chunk, self.dtype, self.device)
             self.decoder.warm()
             self.prefiller.warm()
             if self.head is not None:

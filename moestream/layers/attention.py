@@ -19,42 +19,27 @@ from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import apply_rotary
 from moestream.layers.rows import Batched
 
-# Flash attention has no first-use cost, and prompts of every length run the same kernel. Past the prefill graphs'
-# 512 rows cuDNN's runs at twice its rate on Hopper (4096 rows: 0.26 vs 0.51 ms a layer), but it builds a graph the
-# first time it meets a length (~65 ms): whole prompts go to it padded to a multiple of PAD_TO (their rows' bits do
-# not depend on the padding: the padded rows come after them), and the load warms those lengths up to its chunk.
+# cuDNN's SDPA (which torch picks on Hopper for some lengths, e.g. multiples of 128) builds and compiles its graph
+# the first time a process uses it: ~0.7 s on the H200's first 512-token prompt. Flash attention (memory-efficient
+# with a mask) has no first-use cost, and prompts of every length then run the same kernel.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-LONG_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *PREFILL_BACKENDS]
-PAD_TO = 512
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, Hq, D] (the last T of L positions); k, v [L, Hkv, D] -> [T, Hq, D]."""
     t, length = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
-    mask, backends = None, PREFILL_BACKENDS
+    mask = None
     if 1 < t < length:  # a chunk after cached positions: the causal diagonal is offset
         mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
         # with a mask, GQA may send SDPA to its math kernel (scores materialized): expand the KV heads instead
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    elif t > PAD_TO and q.is_cuda:  # a whole long prompt
-        backends, pad = LONG_BACKENDS, -t % PAD_TO  # contiguous, as the load's warm-up built them
-        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x.contiguous() for x in (q, k, v))
-    # a whole prompt is plain causal attention, which SDPA runs as flash or cuDNN attention, GQA included
-    with sdpa_kernel(backends, set_priority=True) if q.is_cuda else contextlib.nullcontext():
+    # a whole prompt is plain causal attention, which SDPA runs as flash attention, GQA included
+    with sdpa_kernel(PREFILL_BACKENDS) if q.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], attn_mask=mask,
-                                             is_causal=1 < t and mask is None, scale=scale,
-                                             enable_gqa=mask is None and groups > 1)
-    return out[0, :, :t].transpose(0, 1)
-
-
-def warm_long_prompts(heads: int, kv_heads: int, head_dim: int, longest: int, dtype, device) -> None:
-    """Build cuDNN's graph for every padded length a whole prompt of at most `longest` rows takes."""
-    for t in range(2 * PAD_TO, longest + PAD_TO, PAD_TO):
-        q = torch.zeros(t, heads, head_dim, dtype=dtype, device=device)
-        kv = torch.zeros(t, kv_heads, head_dim, dtype=dtype, device=device)
-        causal_attention(q, kv, kv, head_dim ** -0.5)
+                                             v.transpose(0, 1)[None], attn_mask=mask, is_causal=1 < t == length,
+                                             scale=scale, enable_gqa=mask is None and groups > 1)
+    return out[0].transpose(0, 1)
 
 
 class Attention(nn.Module):
