@@ -20,13 +20,20 @@ class Grouping:
     order: torch.Tensor  # [T * K] flat (row * K + k) indices, grouped by expert (device of the ids)
 
 
+def expert_order(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The stable sort of routing entries `ids` (<= num_experts) by expert, on keys of 8 or 16 bits where they fit:
+    a radix sort passes over every bit of its keys (eight passes for int64 ids). The same permutation."""
+    key = torch.uint8 if num_experts <= 255 else torch.int16 if num_experts <= 32767 else ids.dtype
+    return torch.argsort(ids.to(key), stable=True)
+
+
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None) -> Grouping:
     """topk_ids [T, K] -> grouping. One small device-to-host copy: the per-expert counts. `keep` [num_experts]
     bool: only those experts' entries (a rank's share, experts/sharding.py); the others sort last, unreferenced."""
     flat = topk_ids.reshape(-1)
     if keep is not None:
         flat = torch.where(keep[flat], flat, num_experts)
-    order = torch.argsort(flat, stable=True)
+    order = expert_order(flat, num_experts)
     per_expert = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
     experts = [e for e, c in enumerate(per_expert) if c]
     counts = [per_expert[e] for e in experts]

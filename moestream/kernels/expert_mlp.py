@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.experts.format import RecordLayout
-from moestream.experts.grouping import AddressedExperts, PlacedExperts
+from moestream.experts.grouping import AddressedExperts, PlacedExperts, expert_order
 from moestream.kernels.launch import dependent, options
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "expert_mlp.json")
@@ -262,7 +262,7 @@ def placed(x: torch.Tensor, part: PlacedExperts, top_k: int, out: torch.Tensor, 
         assert part.entries is None
         launch_decode(x, out, _identity(part.ids.shape[0], x.device), part.table, part.layout, top_k, records=part.ids)
         return
-    order = torch.argsort(part.ids, stable=True)
+    order = expert_order(part.ids, part.table.shape[0])
     launch_prefill(x, out, order, *full, part.layout, top_k, cfg=cfg, sparse=True)
     if cfg.tail_bm:
         launch_prefill(x, out, order, *tail, part.layout, top_k, cfg=_tails_of(cfg), sparse=True)
