@@ -102,9 +102,8 @@ def test_split_launches_repeat_their_bits_eagerly_and_in_a_graph():
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA graph")
 def test_gemvs_after_norms_read_what_the_norm_wrote():
-    """A decode step's norm -> GEMV chain, replayed in a CUDA graph on new inputs, equals the reference: a GEMV that
-    starts while the norm before it runs (a dependent launch on Hopper) reads the norm's output, not the buffer's
-    previous contents."""
+    """A decode step's norm -> GEMV chain, replayed in a CUDA graph on new inputs, equals the reference: each GEMV
+    reads what the norm before it wrote on this replay (the hazard a launch overlapping its predecessor would add)."""
     from moestream.kernels import ops, reference
 
     gen = torch.Generator().manual_seed(11)
