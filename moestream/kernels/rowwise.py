@@ -38,6 +38,11 @@ def _rms_norm(x, residual, weight, eps, zero_centered, group_size=None) -> tuple
     return total, out
 
 
+# tokens a glue program takes: one-warp programs of one token were latency-bound at 4096 (a chain of dependent loads
+# each, ~4x the copy time). The same tile at every T, so a token's bits do not depend on its batch.
+GLUE_ROWS = 8
+
+
 def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor | None,
                        k_norm: torch.Tensor | None, eps: float, zero_centered: bool, cos: torch.Tensor,
                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
@@ -51,12 +56,12 @@ def qk_norm_rope_cache(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: i
     q_width = qkv.shape[-1] - 2 * kv_heads * head_dim
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     qkv = qkv.contiguous()
-    qk_norm_rope_cache_kernel[(heads + 2 * kv_heads, t)](
+    qk_norm_rope_cache_kernel[(heads + 2 * kv_heads, triton.cdiv(t, GLUE_ROWS))](
         qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos.contiguous(),
-        sin.contiguous(), q, k_cache, v_cache, position, row_map, offsets, eps, qkv.shape[-1], HEADS=heads,
+        sin.contiguous(), q, k_cache, v_cache, position, row_map, offsets, eps, t, qkv.shape[-1], HEADS=heads,
         KV_HEADS=kv_heads, D=head_dim, Q_STRIDE=q_width // heads, ROT=cos.shape[-1],
-        BLOCK=triton.next_power_of_2(head_dim), QK_NORM=q_norm is not None, ZERO_CENTERED=zero_centered, MAP=mapped,
-        OFFSETS=per_token, num_warps=1)
+        BLOCK=triton.next_power_of_2(head_dim), ROWS=GLUE_ROWS, QK_NORM=q_norm is not None,
+        ZERO_CENTERED=zero_centered, MAP=mapped, OFFSETS=per_token, num_warps=GLUE_ROWS // 2)
     return q
 
 

@@ -131,3 +131,25 @@ def test_qk_norm_rope_cache_of_a_batch_writes_each_tokens_own_paged_rows():
         assert torch.equal(q[t: t + 1], one)
         for rows, cache in zip(store, alone):
             assert torch.equal(rows[maps[t]].nan_to_num(7.0), cache[t].nan_to_num(7.0))
+
+
+def test_qk_norm_rope_cache_gives_a_token_the_same_bits_in_any_batch():
+    """A prompt's tokens span several programs' tiles: each token's q and cache rows are its bits alone."""
+    pytest.importorskip("triton")
+    from moestream.kernels import rowwise
+    from moestream.layers.rotary import Rotary
+
+    heads, kv_heads, head_dim, tokens = 4, 2, 64, 2 * rowwise.GLUE_ROWS + 3
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, DTYPE)
+    norms = [(torch.randn(head_dim, generator=gen) * 0.1 + 1).to(DEVICE, DTYPE) for _ in range(2)]
+    position = torch.arange(tokens, device=DEVICE) + 2
+    cos, sin = (t.to(DEVICE) for t in Rotary(head_dim, 1.0, 1e6).cos_sin(position, DTYPE))
+    args = (heads, kv_heads, head_dim, *norms, 1e-6, False)
+    caches = [torch.zeros(tokens + 2, kv_heads, head_dim, dtype=DTYPE, device=DEVICE) for _ in range(4)]
+    q = rowwise.qk_norm_rope_cache(qkv, *args, cos, sin, *caches[:2], position)
+    for t in range(tokens):
+        one = rowwise.qk_norm_rope_cache(qkv[t: t + 1], *args, cos[t: t + 1], sin[t: t + 1], *caches[2:],
+                                         position[t: t + 1])
+        assert torch.equal(q[t: t + 1], one)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

@@ -120,39 +120,39 @@ def top_k_rows(logits, E: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr
 
 @triton.jit
 def qk_norm_rope_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
-                              map_ptr, moff_ptr, eps, QKV_ROW, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                              map_ptr, moff_ptr, eps, T, QKV_ROW, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                               D: tl.constexpr, Q_STRIDE: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
-                              QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, MAP: tl.constexpr,
-                              OFFSETS: tl.constexpr):
-    """Decode tokens' attention glue, program (h, t) = one head of token t's fused [q | k | v] projection row
-    (QKV_ROW apart): q heads (every Q_STRIDE, gate halves skipped) and k heads are RMS-normed (QK_NORM) and rotated
-    into q / the cache row of position pos[t]; v heads are copied there. With MAP that row is map[pos[t]] (a paged
-    cache), token t's map starting moff[t] elements past map_ptr with OFFSETS (a batch's rows, each its own
+                              ROWS: tl.constexpr, QK_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                              MAP: tl.constexpr, OFFSETS: tl.constexpr):
+    """Tokens' attention glue, program (h, b) = one head of tokens b * ROWS.. of the fused [q | k | v] projection
+    rows (QKV_ROW apart): q heads (every Q_STRIDE, gate halves skipped) and k heads are RMS-normed (QK_NORM) and
+    rotated into q / the cache row of position pos[t]; v heads are copied there. With MAP that row is map[pos[t]] (a
+    paged cache), token t's map starting moff[t] elements past map_ptr with OFFSETS (a batch's rows, each its own
     sequence's map). Rounds where rms_norm and rotary round."""
-    h, t = tl.program_id(0), tl.program_id(1)
-    pos = tl.load(pos_ptr + t)
+    h, b = tl.program_id(0), tl.program_id(1)
+    t = b * ROWS + tl.arange(0, ROWS)
+    live = t < T
+    pos = tl.load(pos_ptr + t, mask=live, other=0)
+    rows = map_ptr
     if OFFSETS:
-        map_ptr += tl.load(moff_ptr + t)
+        rows += tl.load(moff_ptr + t, mask=live, other=0)
     if MAP:
-        pos = tl.load(map_ptr + pos)
-    qkv_ptr += t * QKV_ROW
-    cos_ptr += t * ROT
-    sin_ptr += t * ROT
-    q_ptr += t * HEADS * D
-    d = tl.arange(0, BLOCK)
-    inside = d < D
+        pos = tl.load(rows + pos, mask=live, other=0)
+    src_row = qkv_ptr + t[:, None] * QKV_ROW
+    d = tl.arange(0, BLOCK)[None, :]
+    inside = (d < D) & live[:, None]
     dt = qkv_ptr.dtype.element_ty
     Q_WIDTH: tl.constexpr = HEADS * Q_STRIDE
     if h >= HEADS + KV_HEADS:  # v
         j = h - HEADS - KV_HEADS
-        row = tl.load(qkv_ptr + Q_WIDTH + (KV_HEADS + j) * D + d, mask=inside)
-        tl.store(v_cache_ptr + (pos * KV_HEADS + j) * D + d, row, mask=inside)
+        v = tl.load(src_row + Q_WIDTH + (KV_HEADS + j) * D + d, mask=inside)
+        tl.store(v_cache_ptr + (pos[:, None] * KV_HEADS + j) * D + d, v, mask=inside)
     else:
         if h < HEADS:
-            src, w_ptr, dst = qkv_ptr + h * Q_STRIDE, qw_ptr, q_ptr + h * D
+            src, w_ptr, dst = src_row + h * Q_STRIDE, qw_ptr, q_ptr + (t[:, None] * HEADS + h) * D
         else:
-            src, w_ptr = qkv_ptr + Q_WIDTH + (h - HEADS) * D, kw_ptr
-            dst = k_cache_ptr + (pos * KV_HEADS + h - HEADS) * D
+            src, w_ptr = src_row + Q_WIDTH + (h - HEADS) * D, kw_ptr
+            dst = k_cache_ptr + (pos[:, None] * KV_HEADS + h - HEADS) * D
         HALF: tl.constexpr = ROT // 2
         # each rotary dim's rotate-half partner and sign; dims past ROT pass through (their partner is themselves)
         partner = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))
@@ -160,13 +160,13 @@ def qk_norm_rope_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, 
         x = tl.load(src + d, mask=inside, other=0.0).to(tl.float32)
         xp = tl.load(src + partner, mask=inside, other=0.0).to(tl.float32)
         if QK_NORM:
-            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-            x = _normed(x, inv_rms, tl.load(w_ptr + d, mask=inside, other=0.0).to(tl.float32), dt, ZERO_CENTERED)
-            xp = _normed(xp, inv_rms, tl.load(w_ptr + partner, mask=inside, other=0.0).to(tl.float32), dt,
+            inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            x = _normed(x, inv_rms, tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32), dt, ZERO_CENTERED)
+            xp = _normed(xp, inv_rms, tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32), dt,
                          ZERO_CENTERED)
             x, xp = x.to(dt).to(tl.float32), xp.to(dt).to(tl.float32)
-        rot = d < ROT
-        c = tl.load(cos_ptr + d, mask=rot, other=1.0).to(tl.float32)
-        s = tl.load(sin_ptr + d, mask=rot, other=0.0).to(tl.float32)
-        y = tl.where(rot, (x * c).to(dt).to(tl.float32) + (sign * xp * s).to(dt).to(tl.float32), x)
+        rot = (d < ROT) & live[:, None]
+        c = tl.load(cos_ptr + t[:, None] * ROT + d, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + t[:, None] * ROT + d, mask=rot, other=0.0).to(tl.float32)
+        y = tl.where(d < ROT, (x * c).to(dt).to(tl.float32) + (sign * xp * s).to(dt).to(tl.float32), x)
         tl.store(dst + d, y.to(dt), mask=inside)
