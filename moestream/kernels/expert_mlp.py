@@ -268,18 +268,26 @@ def placed(x: torch.Tensor, part: PlacedExperts, top_k: int, out: torch.Tensor, 
         launch_prefill(x, out, order, *tail, part.layout, top_k, cfg=_tails_of(cfg), sparse=True)
 
 
+TILE_CHUNK = 1024  # routing entries a program of the tile tables' histogram counts
+
+
 def tile_tables(ids: torch.Tensor, table: torch.Tensor, uses: torch.Tensor, bm: int, tail_bm: int,
                 entries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.placed_tiles in one launch; `entries` [1] (device): how many of the first entries are tiled."""
-    from moestream.kernels.triton.expert_tiles import tile_tables_kernel
+    """reference.placed_tiles in two launches; `entries` [1] (device): how many of the first entries are tiled."""
+    from moestream.kernels.triton.expert_tiles import expert_counts_kernel, tile_tables_kernel
 
     experts, n = table.shape[0], ids.shape[0]
     block = max(32, 1 << (experts - 1).bit_length())  # the histogram's bins are split over a warp's lanes
+    chunks, padded = -(-n // TILE_CHUNK), entries is not None
+    counts = torch.empty(1 + padded, chunks, block, dtype=torch.int32, device=ids.device)
+    expert_counts_kernel[(chunks,)](ids, counts, ids if entries is None else entries, n, chunks, BLOCK_E=block,
+                                    CHUNK=TILE_CHUNK, PADDED=padded, num_warps=4)
     full = torch.empty(3, n // bm + experts, dtype=torch.int64, device=ids.device)
     tail = torch.empty(3, experts, dtype=torch.int64, device=ids.device)
-    tile_tables_kernel[(1,)](ids, table, uses, full, tail, ids if entries is None else entries, n, full.shape[1],
-                             E=experts, BLOCK_E=block, CHUNK=1024, BM=bm, TAIL_BM=tail_bm, TILES=max(8, 8192 // block),
-                             PADDED=entries is not None, num_warps=4)
+    tiles = max(8, 8192 // block)
+    tile_tables_kernel[(-(-full.shape[1] // tiles),)](
+        counts, table, uses, full, tail, chunks, full.shape[1], E=experts, BLOCK_E=block,
+        SUM_ROWS=max(1, 4096 // block), BM=bm, TAIL_BM=tail_bm, TILES=tiles, PADDED=padded, num_warps=4)
     return full, tail
 
 
