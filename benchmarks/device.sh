@@ -19,6 +19,10 @@ STORE="$WORK/qwen3-30b"
 STATE="$WORK/state/suite.json"
 [ -n "${SUITE_STATE:-}" ] && mkdir -p "$(dirname "$STATE")" && cp "$SUITE_STATE" "$STATE"
 [ -n "${MOESTREAM_COMMIT:-}" ] || echo "warning: MOESTREAM_COMMIT unset: rows record this copy's .git, which can be stale"
+q30s() {  # the 48-layer 30B geometry, its Q4 records holes in a sparse file (no record bytes written)
+  [ -f "$WORK/q30s/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
+build('$WORK/q30s', 'qwen3-30b', sparse=('q4',))" > "$OUT/q30s.log" 2>&1
+}
 wait_stores() { [ -f "$WORK/stores.pid" ] && while kill -0 "$(cat "$WORK/stores.pid")" 2>/dev/null; do sleep 2; done; true; }
 suite() {  # suite SECONDS STAGE ARGS...: the state is carried in $STATE between stages and calls
   local limit=$1; shift
@@ -42,8 +46,7 @@ ab_fn4() {
     | grep -o '"prompt".*'
 }
 ab_prefill() {
-  timeout 120 python -m benchmarks.probes.e2e "$WORK/q12" --prefill --fracs 1.0 --warm --no-profile 2>&1 \
-    | grep -i "prefill" | sed "s|^|$tag: |" | tee -a "$OUT/ab-prefill.log"
+  timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --tag "$tag" 2>&1 | grep '"tag"' | tee -a "$OUT/ab-prefill.log"
 }
 ab_batching() {
   timeout 120 python -m benchmarks.batching "$WORK/q30s" /tmp/ab.json --streams 1,16 ${BATCH_ARGS:-} > /dev/null 2>&1 \
@@ -131,14 +134,14 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
       [ -f "$WORK/fn4/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn4" --geometry qwen3.8-flash-next \
         --layers 4 --sparse q4 --ngram-rows 1000000 > "$OUT/fn4.log" 2>&1
       interleaved ab_fn4 ;;
-    ab-prefill)  # resident prefill 512/4096 of a 12-layer 30B slice by the tree at .device/base.tgz and by this one,
-                 # interleaved (`git archive BASE moestream ':!moestream/demo_model' | gzip > .device/base.tgz`)
-      [ -f "$WORK/q12/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
-build('$WORK/q12', 'qwen3-30b', layers=12, sparse=('q4',))" > "$OUT/q12.log" 2>&1
+    ab-prefill)  # 30B resident: prefill 512/4096 (medians of 7) and one stream's decode by the tree at .device/base.tgz
+                 # and by this one, interleaved (`git archive BASE moestream ':!moestream/demo_model' | gzip > .device/base.tgz`)
+      q30s
       interleaved ab_prefill ;;
+    resident-profile) q30s  # a resident 4096 prefill by kernel
+      timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --rounds 1 --profile 4096 2>&1 | tee "$OUT/profile.log" | head -40 ;;
     ab-batching)  # 30B resident, 1 and 16 streams, by the tree at .device/base.tgz and by this one, interleaved
-      [ -f "$WORK/q30s/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
-build('$WORK/q30s', 'qwen3-30b', sparse=('q4',))" > "$OUT/q30s.log" 2>&1
+      q30s
       interleaved ab_batching ;;
     ab-mixed)  # Q4 with Q2 misses on a 12-layer Flash-Next slice (25% pool + host), base tree and this one, interleaved
       [ -f "$WORK/fn12/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn12" --geometry qwen3.8-flash-next \

@@ -28,8 +28,16 @@ KERNELS = {
     "decode-down": ("expert_gemv", "down_gemv_kernel",
                     dict(BN=16, BK=1024, SPAN=0, AHEAD=0, PDL=1, INDIRECT=1, SELECT=0, TAIL1=512, TAIL2=256,
                          MISS_BITS=0, MISS_BK=0, MISS_SPAN=0, MISS_TAIL1=0, MISS_TAIL2=0)),
+    "prefill-glue": ("rowwise", "qk_norm_rope_cache_kernel",
+                     dict(HEADS=32, KV_HEADS=4, D=128, Q_STRIDE=128, ROT=128, BLOCK=128, ROWS=8, QK_NORM=1,
+                          ZERO_CENTERED=0, MAP=1, OFFSETS=0)),
+    "tile-counts": ("expert_tiles", "expert_counts_kernel", dict(BLOCK_E=128, CHUNK=1024, PADDED=0)),
+    "tile-tables": ("expert_tiles", "tile_tables_kernel",
+                    dict(E=128, BLOCK_E=128, SUM_ROWS=32, BM=256, TAIL_BM=64, TILES=64, PADDED=0)),
 }
-POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16"}  # the rest: *i64 tables
+POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "counts_ptr": "*i32", "uses_ptr": "*i32"}
+POINTERS |= {f"{a}_ptr": "*bf16" for a in ("qkv", "qw", "kw", "cos", "sin", "q", "k_cache", "v_cache")}
+FLOATS = {"eps"}  # the rest: *i64 tables, i64 strides, i32 sizes
 
 
 def compile_sm90(kernel: str, constants: dict, warps: int, stages: int):
@@ -50,9 +58,10 @@ def compile_sm90(kernel: str, constants: dict, warps: int, stages: int):
         elif arg.endswith("_ptr"):
             signature[arg] = POINTERS.get(arg, "*i64")
         else:
-            signature[arg] = "i64" if arg.endswith("stride") else "i32"
+            signature[arg] = "fp32" if arg in FLOATS else "i64" if arg.endswith("stride") else "i32"
     # what a launch specialises on: record fields and offsets are multiples of 16 bytes
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if signature[a] != "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if signature[a] not in ("constexpr", "fp32")}
     src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
