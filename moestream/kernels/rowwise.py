@@ -1,5 +1,5 @@
-"""Launching the row-wise Triton kernels: RMSNorm, the rotary embedding, the decode token's attention glue
-and MoE routing."""
+"""Launching the row-wise Triton kernels: RMSNorm, the rotary embedding, the tokens' attention glue and MoE
+routing."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import triton.language as tl
 
 
 @triton.jit
-def expert_counts_kernel(ids_ptr, counts_ptr, real_ptr, n, CHUNKS, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+def expert_counts_kernel(ids_ptr, counts_ptr, real_ptr, n, chunks, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                          PADDED: tl.constexpr):
     """Program c: counts[0, c] = the histogram of ids[c * CHUNK:][:CHUNK] (int32 [BLOCK_E]); PADDED: only entries
     before real[0] there, and all of them in counts[1, c]."""
@@ -17,23 +17,23 @@ def expert_counts_kernel(ids_ptr, counts_ptr, real_ptr, n, CHUNKS, BLOCK_E: tl.c
     live = i < n
     expert = tl.load(ids_ptr + i, mask=live, other=0).to(tl.int32)
     if PADDED:
-        tl.store(counts_ptr + (CHUNKS + c) * BLOCK_E + e, tl.histogram(expert, BLOCK_E, mask=live))
+        tl.store(counts_ptr + (chunks + c) * BLOCK_E + e, tl.histogram(expert, BLOCK_E, mask=live))
         live &= i < tl.load(real_ptr)
     tl.store(counts_ptr + c * BLOCK_E + e, tl.histogram(expert, BLOCK_E, mask=live))
 
 
 @triton.jit
-def _chunk_sum(counts_ptr, CHUNKS, BLOCK_E: tl.constexpr, SUM_ROWS: tl.constexpr):
+def _chunk_sum(counts_ptr, chunks, BLOCK_E: tl.constexpr, SUM_ROWS: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
     total = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, CHUNKS, SUM_ROWS):
+    for c0 in range(0, chunks, SUM_ROWS):
         c = c0 + tl.arange(0, SUM_ROWS)
-        total += tl.sum(tl.load(counts_ptr + c[:, None] * BLOCK_E + e[None, :], mask=c[:, None] < CHUNKS, other=0), 0)
+        total += tl.sum(tl.load(counts_ptr + c[:, None] * BLOCK_E + e[None, :], mask=c[:, None] < chunks, other=0), 0)
     return total
 
 
 @triton.jit
-def tile_tables_kernel(counts_ptr, table_ptr, uses_ptr, full_ptr, tail_ptr, CHUNKS, max_full, E: tl.constexpr,
+def tile_tables_kernel(counts_ptr, table_ptr, uses_ptr, full_ptr, tail_ptr, chunks, max_full, E: tl.constexpr,
                        BLOCK_E: tl.constexpr, SUM_ROWS: tl.constexpr, BM: tl.constexpr, TAIL_BM: tl.constexpr,
                        TILES: tl.constexpr, PADDED: tl.constexpr):
     """Program p writes full-height tiles p * TILES.. from the chunks' expert counts (expert_counts_kernel), whose
@@ -42,9 +42,9 @@ def tile_tables_kernel(counts_ptr, table_ptr, uses_ptr, full_ptr, tail_ptr, CHUN
     tile of at most TAIL_BM entries (count 0: none), as `prefill_tiles` splits them, and adds 1 to uses[e] for each
     expert the entries use. PADDED: counts[0] holds the tiled entries' counts, counts[1] all entries'."""
     e = tl.arange(0, BLOCK_E)
-    counts = _chunk_sum(counts_ptr, CHUNKS, BLOCK_E, SUM_ROWS)
+    counts = _chunk_sum(counts_ptr, chunks, BLOCK_E, SUM_ROWS)
     if PADDED:
-        every = _chunk_sum(counts_ptr + CHUNKS * BLOCK_E, CHUNKS, BLOCK_E, SUM_ROWS)
+        every = _chunk_sum(counts_ptr + chunks * BLOCK_E, chunks, BLOCK_E, SUM_ROWS)
     else:
         every = counts
     offsets = tl.cumsum(every, 0) - every

@@ -133,11 +133,11 @@ def qk_norm_rope_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, 
     t = b * ROWS + tl.arange(0, ROWS)
     live = t < T
     pos = tl.load(pos_ptr + t, mask=live, other=0)
-    rows = map_ptr
+    maps = map_ptr
     if OFFSETS:
-        rows += tl.load(moff_ptr + t, mask=live, other=0)
+        maps += tl.load(moff_ptr + t, mask=live, other=0)
     if MAP:
-        pos = tl.load(rows + pos, mask=live, other=0)
+        pos = tl.load(maps + pos, mask=live, other=0)
     src_row = qkv_ptr + t[:, None] * QKV_ROW
     d = tl.arange(0, BLOCK)[None, :]
     inside = (d < D) & live[:, None]
