@@ -4,7 +4,7 @@ configs into the output folder (`<out>/expert_mlp.json`); only `--install` also 
 moestream/kernels/configs/expert_mlp.json.
 
 python -m benchmarks.bench_kernels [--tune [--install]] [--quick] [--phases decode,prefill] [--precisions q4,q3]
-                                   [--host]
+                                   [--host] [--geometry qwen3.8-flash-next]
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from moestream.experts.format import RecordLayout
 from moestream.kernels import expert_mlp
 from moestream.kernels.expert_mlp import CONFIG_PATH, TileConfig
 
-QWEN3_30B = dict(hidden=2048, inter=768, experts=128, top_k=8)
+# the 30B's tiles are every geometry's default; another's winners are keyed by its sizes (expert_mlp.tile_config)
+GEOMETRIES = {"qwen3-30b": dict(hidden=2048, inter=768, experts=128, top_k=8),
+              "qwen3.8-flash-next": dict(hidden=2560, inter=640, experts=512, top_k=10)}
 
 
 def random_pool(layout: RecordLayout, records: int, host: bool = False) -> torch.Tensor:
@@ -125,22 +127,21 @@ def prefill_case(layout, pool, rows, top_k, cfg: TileConfig) -> dict:
             "out": out.clone()}
 
 
-# A 4096-token prefill runs a layer resident (one launch, 128 experts) or streamed (ring batches of 16): tiles tuned
+# A 4096-token prefill runs a layer resident (one launch, every expert) or streamed (ring batches of 16): tiles tuned
 # on the first alone launched too few programs for the second (suite v6: streamed prefill 69% -> 47% of its bound).
 RING_BATCH = ExpertConfig.ring_group
-RING_BATCHES = QWEN3_30B["experts"] // RING_BATCH
 
 
-def prefill_cases(layout, pool, cfg: TileConfig) -> list[dict]:
-    """A resident layer (4096 rows over 128 experts) and one ring batch (every row of 256 on each of its experts)."""
-    g = QWEN3_30B
+def prefill_cases(layout, pool, cfg: TileConfig, g: dict) -> list[dict]:
+    """A resident layer (4096 rows over all experts) and one ring batch (each of its experts on as many rows as the
+    layer gives an expert on average: 256 of the 30B's, 80 of Flash-Next's)."""
     return [prefill_case(layout, pool[: g["experts"]], 4096, g["top_k"], cfg),
-            prefill_case(layout, pool[:RING_BATCH], 256, RING_BATCH, cfg)]
+            prefill_case(layout, pool[:RING_BATCH], 4096 * g["top_k"] // g["experts"], RING_BATCH, cfg)]
 
 
 def prefill_score(runs: list[dict]) -> float:
     """Layers per second when a layer's time is its resident launch plus its streamed batches."""
-    return 1e3 / (runs[0]["ms"] + RING_BATCHES * runs[1]["ms"])
+    return 1e3 / (runs[0]["ms"] + runs[0]["experts"] // RING_BATCH * runs[1]["ms"])
 
 
 # Decode "stages" S: S - 1 chunks' weights loaded ahead while one computes (up to 3). At one row a chain of chunk
@@ -226,10 +227,12 @@ def main() -> None:
     p.add_argument("--precisions", default="q4,bf16,q3,q2", help="a sweep of all four can outlast a 300 s call")
     p.add_argument("--host", action="store_true", help="decode only, records read in place from pinned host memory "
                    "(the host tier's graphed decode): bytes against pinned H2D; tunes Q3/Q2 only")
+    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="qwen3-30b")
     args = p.parse_args()
     if args.host:
         args.phases = "decode"
-    g = QWEN3_30B
+    g = GEOMETRIES[args.geometry]
+    suffix = "" if args.geometry == "qwen3-30b" else f"/h{g['hidden']}/i{g['inter']}"
     bandwidth, mm = h2d_gbs() if args.host else hbm_copy_gbs(), bf16_matmul_tflops()
     limit = "pinned H2D" if args.host else "HBM copy"
     print(f"limits: {limit} {bandwidth:.0f} GB/s, dense bf16 matmul {mm:.0f} TFLOP/s")
@@ -257,7 +260,7 @@ def main() -> None:
                              for rows in (1, 4)]
                         score = r[0]["gbs"]  # one row: a single sequence's decode
                     else:
-                        r = prefill_cases(layout, pool, cfg)
+                        r = prefill_cases(layout, pool, cfg, g)
                         score = prefill_score(r)
                 except Exception as e:  # a config that does not compile or fit is skipped
                     print(f"skip {phase} {cfg}: {type(e).__name__}: {str(e)[:120]}")
@@ -290,7 +293,7 @@ def main() -> None:
                 # 67% useful rows; those tails at BM / 4 (a launch of their own) bring it to ~89% (kernels v16:
                 # a resident Q4 layer 1.10 -> 0.95 ms)
                 tailed = dataclasses.replace(cfg, tail_bm=0 if cfg.tail_bm else cfg.bm // 4)
-                tails = prefill_cases(layout, pool, tailed)
+                tails = prefill_cases(layout, pool, tailed, g)
                 err = _error([x.pop("out").float() for x in tails], first)
                 print(f"{precision} prefill with tail_bm {tailed.tail_bm}: resident {tails[0]['ms']:.3f} ms "
                       f"(tail_bm {cfg.tail_bm}: {r[0]['ms']:.3f}), ring batch {tails[1]['ms']:.3f} "
@@ -300,7 +303,7 @@ def main() -> None:
                     score, cfg, r = prefill_score(tails), tailed, tails
             # low-bit experts exist for streaming: their decode tiles are chosen by how they read the host tier
             if phase != "decode" or (layout.bits in (2, 3)) == args.host:
-                best[f"{phase}/bits{layout.bits}"] = dataclasses.asdict(cfg)
+                best[f"{phase}/bits{layout.bits}{suffix}"] = dataclasses.asdict(cfg)
             for x in r if phase == "decode" else ():  # where the best tiles' time goes, kernel by kernel
                 print(f"{precision} decode, {x['rows']} rows: {x['us']:.1f} us a step; per kernel: "
                       + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in x.items() if k.endswith("_us")))
@@ -314,19 +317,19 @@ def main() -> None:
     # Q3/Q2 prefill: their own tiles so far against Q4's best (Q2 can split words whole, as Q4 does), and Q4's
     # best unjoined for Q3, which cannot join (kernels v16: at Q4's joined tiles its separate ones of BN 128 ran
     # 3.62 ms a resident layer, unjoined at BN 64 1.50)
-    for precision in ("q3", "q2") if "prefill" in args.phases and "prefill/bits4" in best else ():
+    for precision in ("q3", "q2") if "prefill" in args.phases and f"prefill/bits4{suffix}" in best else ():
         layout = RecordLayout.build(precision, g["hidden"], g["inter"])
         pool = random_pool(layout, g["experts"])
-        q4 = TileConfig(**best["prefill/bits4"])
+        q4 = TileConfig(**best[f"prefill/bits4{suffix}"])
         unjoined = dataclasses.replace(q4, join=0, bn_gate_up=q4.bn_gate_up // 2) if q4.join else q4
-        runs = [(prefill_cases(layout, pool, cfg), cfg)
+        runs = [(prefill_cases(layout, pool, cfg, g), cfg)
                 for cfg in dict.fromkeys((expert_mlp.tile_config("prefill", layout), q4, unjoined))]
         outs = [[x.pop("out").float() for x in r] for r, _ in runs]
         runs = [run for run, o in zip(runs, outs) if _error(o, outs[0]) < 2e-2]
         for r, cfg in runs:
             print(f"{precision} prefill {cfg}: resident {r[0]['ms']:.3f} ms, ring batch {r[1]['ms']:.3f} ms")
         r, cfg = max(runs, key=lambda rc: prefill_score(rc[0]))
-        best[f"prefill/bits{layout.bits}"] = dataclasses.asdict(cfg)
+        best[f"prefill/bits{layout.bits}{suffix}"] = dataclasses.asdict(cfg)
         results["prefill"].append({"precision": precision, "config": dataclasses.asdict(cfg), "runs": r})
         table += [[precision, "prefill", f"{x['rows']} x {x['experts']} experts", f"{x['ms']:.2f} ms",
                    f"{x['tflops']:.0f} TFLOP/s", f"{x['tflops'] / mm:.0%} of dense bf16"] for x in r]
