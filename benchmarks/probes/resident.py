@@ -11,9 +11,9 @@ import argparse
 import json
 import statistics
 
+from benchmarks.common import tier_gb
 from benchmarks.probes.e2e import profile_prefill, prompt
 from moestream.engine.llm import LLM
-from moestream.experts.store import open_store
 from moestream.sampling import SamplingParams
 
 
@@ -25,9 +25,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--profile", type=int, default=0, help="also print a prefill of this many tokens by kernel")
     args = p.parse_args()
-    s = open_store(args.store)
-    llm = LLM(args.store, device="cuda", pool_gb=s.manifest.geometry.num_records * s.manifest.layouts["q4"].stride
-              / 1e9, preload=False)
+    llm = LLM(args.store, device="cuda", pool_gb=tier_gb(args.store, 1.0, False)[0], preload=False)
     row, tokens = {"tag": args.tag}, {}
     for n in map(int, args.lengths.split(",")):
         ids = prompt(n, llm.config.vocab_size, seed=n)
