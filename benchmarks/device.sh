@@ -138,8 +138,15 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
                  # and by this one, interleaved (`git archive BASE moestream ':!moestream/demo_model' | gzip > .device/base.tgz`)
       q30s
       interleaved ab_prefill ;;
-    resident-profile) q30s  # a resident 4096 prefill by kernel
-      timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --rounds 1 --profile 4096 2>&1 | tee "$OUT/profile.log" | head -40 ;;
+    ab-graphs)  # 30B resident, this tree: whole prompts past 512 eager (512) against padded graphs up to 4096, interleaved
+      q30s
+      for g in 512 4096 512 4096; do
+        timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --tag "graphs-$g" --prefill-graph-tokens $g \
+          --lengths 512,2000,4096 2>&1 | grep '"tag"' | tee -a "$OUT/ab-graphs.log"
+      done ;;
+    resident-profile) q30s  # a resident 4096 prefill by kernel, and where its GPU waits
+      timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --rounds 1 --profile 4096 --trace 4096 2>&1 \
+        | tee "$OUT/profile.log" | grep -v Warning | head -45 ;;
     ab-batching)  # 30B resident, 1 and 16 streams, by the tree at .device/base.tgz and by this one, interleaved
       q30s
       interleaved ab_batching ;;

@@ -44,8 +44,7 @@ MAX_LAYERS, MAX_SIZE = 10_000, 1 << 24
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text := repr(value)) <= 60 else text[:57] + "..."
 
 
 def _as_int(value: Any, name: str, minimum: int | None = 1, maximum: int | None = None) -> int:
@@ -70,8 +69,7 @@ def _int(cfg: dict[str, Any], name: str, default: Any = _REQUIRED, minimum: int 
 
 def _ints(cfg: dict[str, Any], name: str, minimum: int | None = 0) -> list[int]:
     """A list of integers; absent or null is empty."""
-    values = cfg.get(name) or []
-    if not isinstance(values, list):
+    if not isinstance(values := cfg.get(name) or [], list):
         raise UnsupportedModelError(f"config field {name} must be a list of integers, got {_shown(values)}")
     return [_as_int(v, name, minimum) for v in values]
 
@@ -388,8 +386,7 @@ class ExpertConfig:
 
     def __post_init__(self):
         _check(self.precision in (None, *PRECISIONS), f"expert precision {self.precision!r}: choose 4, 3, 2 or 16")
-        _check(self.miss_precision in (None, "q3", "q2") and (self.miss_precision is None or self.precision in
-                                                             (None, "q4")),
+        _check(self.miss_precision is None or self.miss_precision in ("q3", "q2") and self.precision in (None, "q4"),
                "--miss-experts takes 3 or 2, with --experts 4")
         _check(_finite(self.pool_gb) and (self.pool_gb is None or self.pool_gb > 0), "--pool-gb must be a number > 0")
         _check(_finite(self.host_gb) and self.host_gb >= 0, "--host-gb must be a number >= 0 (0: no host tier)")
@@ -406,8 +403,8 @@ class EngineConfig:
     device: str | None = None  # "cuda" or "cpu"; None: cuda when a GPU is present
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     expert: ExpertConfig = field(default_factory=ExpertConfig)
-    # GPU memory the engine may take (decimal GB): dense weights, decode state, activations, ring, and the expert
-    # pool, which gets what is left (engine/memory.py); None: the pool is sized from free memory
+    # GPU memory the engine may take (decimal GB) for dense weights, decode state, activations, ring and the expert
+    # pool, which gets the rest (engine/memory.py); None: the pool is sized from free memory
     gpu_gb: float | None = None
     # decode steps: "graph" (captured once every record is addressable), "eager" (the same static step, never
     # captured: to time graphs against) or "handshake" (every layer routed through the host: invariance tests)
@@ -417,6 +414,7 @@ class EngineConfig:
     # blocks its prompt and max_tokens may fill are free; None: 2 * max_context under --gpu-gb, else it grows
     kv_tokens: int | None = None
     prefill_chunk: int = 4096  # prompt tokens per forward; prefix-cache snapshots are taken at its multiples
+    prefill_graph_tokens: int = 512  # whole prompts up to it run padded, as CUDA graphs if resident (engine/prefill.py)
     prefix_cache_mb: float = 0.0  # host memory for prompt-prefix snapshots; 0 = off
     preload: bool | None = None  # load every record at start when the pool or host tier holds them; None: on CUDA
     warm: bool | None = None  # compile every kernel variant and capture the decode graph at load; None: on CUDA
@@ -441,6 +439,8 @@ class EngineConfig:
                f"dtype {self.dtype!r}: choose bfloat16, float16 or float32")
         _check(self.decode_mode in DECODE_MODES, f"decode_mode {self.decode_mode!r}: choose {', '.join(DECODE_MODES)}")
         _check(self.max_context >= 1 and self.prefill_chunk >= 1, "need max_context >= 1 and prefill_chunk >= 1")
+        _check(isinstance(self.prefill_graph_tokens, int) and self.prefill_graph_tokens >= 512
+               and self.prefill_graph_tokens % 512 == 0, "--prefill-graph-tokens: choose a multiple of 512")
         _check(self.kv_tokens is None or (isinstance(self.kv_tokens, int) and self.kv_tokens >= 1),
                f"--kv-tokens {self.kv_tokens!r}: choose a whole number >= 1")
         _check(_finite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0, "prefix_cache_mb must be a number >= 0")

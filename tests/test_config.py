@@ -51,7 +51,8 @@ def test_engine_config_takes_overrides_by_name_and_checks_them():
     assert cfg.with_overrides(prefill_sms="auto").prefill_sms == "auto"
     for bad in (dict(pool_gb=float("nan")), dict(host_gb=-1.0), dict(ring_group=0), dict(experts=5),
                 dict(experts=2, miss_experts=3), dict(decode_mode="fast"), dict(prefix_cache_mb=-1.0),
-                dict(prefill_sms=-1), dict(prefill_sms="most"), dict(no_such_option=1)):
+                dict(prefill_sms=-1), dict(prefill_sms="most"), dict(prefill_graph_tokens=1000),
+                dict(prefill_graph_tokens=256), dict(no_such_option=1)):
         with pytest.raises(ConfigError):
             EngineConfig().with_overrides(**bad)
     with pytest.raises(ConfigError, match="io_timeout_s"):

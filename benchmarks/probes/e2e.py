@@ -79,7 +79,7 @@ def decode_runs(store: str, tokens: int = 64, profile: bool = False,
 
 
 @contextlib.contextmanager
-def _traced(path: str | None):
+def traced(path: str | None):
     """A host + GPU timeline (Chrome trace, gzipped) of the block, to see where the host or a stream waits."""
     if not path:
         yield
@@ -136,6 +136,31 @@ def summarize(path: str) -> dict:
             "both_s": _intersection(copy, compute) * us, "wall_s": wall * us, "idle_s": (wall - _length(busy)) * us}
 
 
+def gaps(path: str, top: int = 8) -> dict:
+    """Where a traced block's GPU waits (microseconds, from its gzipped Chrome trace): `lead` (the block's first host
+    event to its first kernel), `busy` and `idle` between its first kernel and its last, `tail` (the last kernel's
+    end to the block's last host event), and the `top` longest idle gaps, each with the kernels around it and how
+    long before its end the host launched the next (near 0: the GPU waited for the host's launch)."""
+    with gzip.open(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if "dur" in e]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")]
+    launched = {e["args"].get("correlation"): e["ts"] for e in events if e.get("cat") == "cuda_runtime"}
+    if not kernels or not host:
+        return {}
+    spans = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    holes, end, previous = [], spans[0][0], kernels[0]
+    for k in kernels:
+        if k["ts"] > end:
+            holes.append({"us": round(k["ts"] - end, 1), "before": previous["name"][:60], "after": k["name"][:60],
+                          "launch_lead_us": round(k["ts"] - launched.get(k["args"].get("correlation"), k["ts"]), 1)})
+        end, previous = max(end, k["ts"] + k["dur"]), k
+    start, stop = min(e["ts"] for e in host), max(e["ts"] + e["dur"] for e in host)
+    return {"lead_us": round(spans[0][0] - start, 1), "busy_us": round(_length(spans), 1),
+            "idle_us": round(spans[-1][1] - spans[0][0] - _length(spans), 1), "tail_us": round(stop - spans[-1][1], 1),
+            "gaps": len(holes), "top": sorted(holes, key=lambda h: -h["us"])[:top]}
+
+
 def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: float = 0.0,
                  warm: bool = False, trace: str | None = None, ring_group: int = ExpertConfig.ring_group,
                  ring_lookahead: bool = ExpertConfig.ring_lookahead, profile: bool = True) -> list[dict]:
@@ -155,7 +180,7 @@ def prefill_runs(store: str, fracs: list[float], lengths: list[int], host_gb: fl
             start = time.perf_counter()
             name = f"prefill-{frac:g}-{n}-g{ring_group}{'-early' if ring_lookahead else ''}"
             trace_path = trace and os.path.join(trace, f"{name}.json")
-            with _traced(trace_path):
+            with traced(trace_path):
                 out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
             wall = time.perf_counter() - start
             e = out.stats["experts"]["q4"]

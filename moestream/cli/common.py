@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig = DEFAULT
     p.add_argument("--prefill-chunk", type=int,
                    help=f"prompt tokens per prefill forward (default {defaults.prefill_chunk}); prefix-cache "
                         "snapshots are taken every chunk")
+    p.add_argument("--prefill-graph-tokens", type=int,
+                   help=f"whole prompts up to this many tokens run padded (to 32-512, then multiples of 512), each "
+                        f"size a CUDA graph captured at load when every expert is resident (default "
+                        f"{defaults.prefill_graph_tokens}; a multiple of 512)")
     p.add_argument("--prefix-cache-mb", type=float,
                    help=f"host memory for prompt-prefix snapshots in decimal MB (default {defaults.prefix_cache_mb:g}; "
                         "0: off)")
@@ -75,7 +79,8 @@ def sm_count(value: str) -> int | str:
 
 ENGINE_ARGS = ("device", "dtype", "gpu_gb", "ngram_tier", "pool_gb", "host_gb", "experts", "miss_experts",
                "ring_slots", "ring_group", "lookahead", "ring_lookahead", "max_context", "kv_tokens", "prefill_chunk",
-               "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch", "prefill_sms", "gpus")
+               "prefill_graph_tokens", "prefix_cache_mb", "decode_mode", "speculation", "drafts", "max_batch",
+               "prefill_sms", "gpus")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

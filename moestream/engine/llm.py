@@ -23,7 +23,7 @@ from moestream.engine.decode import Decoder
 from moestream.engine.drafting import FusedDrafts, HeadDecoder, HeadDrafts
 from moestream.engine.loader import load_model, ngram_stats, ngram_tables
 from moestream.engine.memory import activation_bytes, dense_bytes, kv_row_bytes, plan_gpu, state_bytes
-from moestream.engine.prefill import PADDED_SIZES, Prefiller
+from moestream.engine.prefill import Prefiller, padded_sizes
 from moestream.engine.prefix_cache import PrefixCache
 from moestream.engine.scheduler import Request, Scheduler
 from moestream.engine.speculation import Depth, SpecStats, Speculator
@@ -117,7 +117,8 @@ class LLM:
         self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk, ahead)
         # the graphs' memory is not in a --gpu-gb plan yet: under one, padded prompts run eagerly (the same bits)
         self.prefiller = Prefiller(self.model, self.provider, self.decoder, self.device, self.dtype,
-                                   cfg.decode_mode == "graph" and cfg.gpu_gb is None, cfg.prefill_sms)
+                                   cfg.decode_mode == "graph" and cfg.gpu_gb is None, cfg.prefill_sms,
+                                   padded_sizes(cfg.prefill_graph_tokens, cfg.prefill_chunk))
         kv = self.decoder.kv
         self.kv_positions = kv.blocks * BLOCK_ROWS if kv is not None and kv.bounded else None  # None: it grows
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \
@@ -189,7 +190,7 @@ class LLM:
                 self.fused.warm()
             if self.provider.pool.resident == self.provider.geometry.num_records:
                 # past the padded sizes, as a long prompt runs: row counts of both divisibilities Triton specializes
-                longer = torch.randint(0, self.config.vocab_size, (PADDED_SIZES[-1] + 16,), generator=generator)
+                longer = torch.randint(0, self.config.vocab_size, (self.prefiller.sizes[-1] + 16,), generator=generator)
                 with self.provider.uncounted():
                     for ids in (longer[:-15], longer):
                         self.generate([ids.tolist()], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -1,9 +1,10 @@
 """A prompt's first forward: padded to one of a few sizes, and with every expert in the GPU pool, a CUDA graph.
 
 A resident prefill layer waits on the host for nothing since its experts are grouped on the device (PlacedExperts),
-yet at a few hundred tokens the host's launches take longer than the GPU's work. So a whole prompt of at most 512
-tokens, of a model whose extra rows change nothing of a prompt's own (`CausalLM.pads_prompts`), runs at the next
-size in PADDED_SIZES: the extra rows repeat its last token, no expert computes them (experts/provider.py Padding),
+yet at a few hundred tokens the host's launches take longer than the GPU's work. So a whole prompt of at most
+`prefill_graph_tokens` (512 by default), of a model whose extra rows change nothing of a prompt's own
+(`CausalLM.pads_prompts`), runs at the next of its sizes (`padded_sizes`: powers of two to 512, then multiples of
+512): the extra rows repeat its last token, no expert computes them (experts/provider.py Padding),
 and their cache rows land at positions the answer overwrites before it reads them. Every
 tier pads alike, so a prompt's bits follow its padded size, never what is resident. With every record in the pool,
 each size's forward is one CUDA graph, captured at load over a state of its own whose row map is loaded from the
@@ -27,12 +28,18 @@ from moestream.experts.provider import ExpertProvider, ExpertStep, Padding
 from moestream.layers.context import StepContext
 from moestream.models.base import CausalLM, SequenceState
 
-PADDED_SIZES = (32, 64, 128, 256, 512)
+SHORT_SIZES = (32, 64, 128, 256, 512)
 
 
-def padded_size(rows: int) -> int:
+def padded_sizes(longest: int = 512, chunk: int = 512) -> tuple[int, ...]:
+    """The sizes whole prompts run at: SHORT_SIZES, then multiples of 512 up to `longest` that fit in a prefill
+    `chunk` (a longer prompt is not whole)."""
+    return SHORT_SIZES + tuple(range(1024, min(longest, chunk) + 1, 512))
+
+
+def padded_size(rows: int, sizes: tuple[int, ...] = SHORT_SIZES) -> int:
     """The rows of a whole prompt's forward of `rows` tokens (itself past the largest size)."""
-    return next((size for size in PADDED_SIZES if size >= rows), rows)
+    return next((size for size in sizes if size >= rows), rows)
 
 
 @dataclass
@@ -95,10 +102,11 @@ def green_stream(device: torch.device, asked: int | str):
 
 class Prefiller:
     def __init__(self, model: CausalLM, provider: ExpertProvider, decoder, device: torch.device,
-                 dtype: torch.dtype, graphs: bool, prefill_sms: int | str = 0):
+                 dtype: torch.dtype, graphs: bool, prefill_sms: int | str = 0, sizes: tuple[int, ...] = SHORT_SIZES):
         """`decoder` (engine/decode.py): its KV pool, which the graphs' own state keeps its rows in; `prefill_sms`:
-        the SMs a replay aside may take (0: every SM; "auto": `green_stream`)."""
+        the SMs a replay aside may take (0: every SM; "auto": `green_stream`); `sizes`: `padded_sizes`."""
         self.model, self.provider, self.decoder, self.device, self.dtype = model, provider, decoder, device, dtype
+        self.sizes = sizes
         self.graphs_on = graphs and device.type == "cuda" and model.pads_prompts and decoder.kv is not None
         self.graphs: dict[int, _Graph] = {}
         self.partitioned: dict[int, _Graph] = {}  # the same forwards on the green context's SMs
@@ -118,7 +126,7 @@ class Prefiller:
 
     def rows(self, prompt_tokens: int) -> int:
         """The positions a prompt's first forward writes (its KV blocks)."""
-        return padded_size(prompt_tokens) if self.model.pads_prompts else prompt_tokens
+        return padded_size(prompt_tokens, self.sizes) if self.model.pads_prompts else prompt_tokens
 
     @torch.inference_mode()
     def __call__(self, ids: list[int], state: SequenceState, whole: bool = True,
@@ -126,8 +134,8 @@ class Prefiller:
         """Feed `ids` after the state's tokens and advance the state; returns their final hidden rows [len(ids), H],
         or with `aside` and a graph to replay, its Landing. `whole`: they are a whole prompt (the first chunk of a
         longer one runs as it is)."""
-        size = padded_size(len(ids))
-        if not (whole and self.model.pads_prompts and state.length == 0 and size in PADDED_SIZES):
+        size = padded_size(len(ids), self.sizes)
+        if not (whole and self.model.pads_prompts and state.length == 0 and size in self.sizes):
             return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), state)
         state.make_room(size)  # blocks for every padded position, taken before the check (the KV pool may grow)
         replay = self._replayable(size, state)  # before the inputs: a capture loads them too
@@ -170,7 +178,7 @@ class Prefiller:
         while one is in flight or the step has `prompts` to prefill, and prompts can replay (a suite run with every
         step on it had its 25% pool rows ~45% lower; a resident step pays two cross-stream waits)."""
         if not ((prompts or self.pending is not None) and self.graphs_on
-                and self.provider.placed_prefill(PADDED_SIZES[-1])):
+                and self.provider.placed_prefill(self.sizes[-1])):
             yield
             return
         current = torch.cuda.current_stream(self.device)
@@ -184,7 +192,7 @@ class Prefiller:
     def warm(self) -> None:
         """Capture each size's graph now, when every record is in the pool, so that no request pays for it."""
         if self.graphs_on:
-            for size in PADDED_SIZES:
+            for size in self.sizes:
                 if self.provider.placed_prefill(size):
                     self._capture(size)
 
@@ -221,7 +229,7 @@ class Prefiller:
     def _own(self) -> SequenceState:
         if self.own is None:
             self.own = self.model.new_state(self.dtype, self.device)
-            self.own.reserve(PADDED_SIZES[-1])
+            self.own.reserve(self.sizes[-1])
             self.own.share(self.decoder.kv)
         return self.own
 

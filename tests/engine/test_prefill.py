@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moestream.engine.llm import LLM
-from moestream.engine.prefill import PADDED_SIZES, padded_size
+from moestream.engine.prefill import SHORT_SIZES, padded_size, padded_sizes
 from moestream.experts.provider import ExpertStep, Padding
 from moestream.layers.context import StepContext
 from moestream.sampling import SamplingParams
@@ -16,7 +16,11 @@ from tests.engine.test_invariance import _record_gb
 
 def test_padded_sizes():
     assert [padded_size(n) for n in (1, 32, 33, 500, 512, 513, 4096)] == [32, 32, 64, 512, 512, 513, 4096]
-    assert PADDED_SIZES[-1] == 512
+    assert padded_sizes() == SHORT_SIZES and SHORT_SIZES[-1] == 512
+    longer = padded_sizes(2048, 4096)  # multiples of 512 past 512, within a chunk
+    assert longer == (*SHORT_SIZES, 1024, 1536, 2048)
+    assert [padded_size(n, longer) for n in (500, 513, 1100, 2048, 2049)] == [512, 1024, 1536, 2048, 2049]
+    assert padded_sizes(4096, 1000) == SHORT_SIZES  # a whole prompt is at most a chunk
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
@@ -47,6 +51,9 @@ def test_only_a_whole_short_prompt_of_a_model_without_row_state_is_padded(tiny):
     moe, hybrid = (LLM(tiny.store(t), device="cpu") for t in ("qwen3_moe", "qwen3_next"))
     try:
         assert moe.prefiller.rows(40) == 64 and moe.prefiller.rows(600) == 600
+        longer = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_graph_tokens=1024)
+        assert longer.prefiller.rows(600) == 1024
+        longer.close()
         assert not hybrid.model.pads_prompts and hybrid.prefiller.rows(40) == 40
         state = moe.model.new_state(moe.dtype, moe.device)
         first = moe.prefiller(prompt_of(moe, 40), state)
@@ -62,17 +69,18 @@ def test_only_a_whole_short_prompt_of_a_model_without_row_state_is_padded(tiny):
 @pytest.mark.gpu
 def test_gpu_a_resident_prompt_replays_its_sizes_graph_with_the_eager_bits(tiny):
     """With every expert in the pool each padded size's forward is a graph captured at load: a request replays it,
-    and its tokens and logits are those of the same padded forward run eagerly with a pool of two records."""
+    and its tokens and logits are those of the same padded forward run eagerly with a pool of two records. Sizes
+    past 512 (`prefill_graph_tokens`) alike."""
     runs = []
     for pool_gb in (None, 2 * _record_gb(1) * 1.0001):  # every record, or one decode step's two
-        llm = LLM(tiny.store("qwen3_moe"), device="cuda", dtype="bfloat16", pool_gb=pool_gb)
+        llm = LLM(tiny.store("qwen3_moe"), device="cuda", dtype="bfloat16", pool_gb=pool_gb, prefill_graph_tokens=1024)
         try:
             before = llm.prefiller.replays
-            outs = llm.generate([prompt_of(llm, n, seed=n) for n in (5, 40, 300)],
+            outs = llm.generate([prompt_of(llm, n, seed=n) for n in (5, 40, 300, 700)],
                                 SamplingParams(max_tokens=6, logprobs=2))
             runs.append(([o.token_ids for o in outs], [o.logprobs for o in outs], llm.prefiller.replays - before))
         finally:
             llm.close()
     (tokens, logprobs, replays), (ring_tokens, ring_logprobs, ring_replays) = runs
-    assert replays == 3 and ring_replays == 0
+    assert replays == 4 and ring_replays == 0
     assert tokens == ring_tokens and logprobs == ring_logprobs
