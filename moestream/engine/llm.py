@@ -116,9 +116,10 @@ class LLM:
         ahead = self.decoder.step_ahead if self.decoder.static and not staged else None
         self.scheduler = Scheduler(self.decoder, self.max_batch, cfg.prefill_chunk, ahead)
         # the graphs' memory is not in a --gpu-gb plan yet: under one, padded prompts run eagerly (the same bits)
+        whole = min(cfg.prefill_chunk, cfg.kv_limit or cfg.prefill_chunk)  # the most rows a padded prompt may take
         self.prefiller = Prefiller(self.model, self.provider, self.decoder, self.device, self.dtype,
                                    cfg.decode_mode == "graph" and cfg.gpu_gb is None, cfg.prefill_sms,
-                                   padded_sizes(cfg.prefill_graph_tokens, cfg.prefill_chunk))
+                                   padded_sizes(cfg.prefill_graph_tokens, whole))
         kv = self.decoder.kv
         self.kv_positions = kv.blocks * BLOCK_ROWS if kv is not None and kv.bounded else None  # None: it grows
         self.head = HeadDecoder(self.model, self.provider, cfg, self.device, self.dtype, max_rows=1 + cfg.max_drafts) \

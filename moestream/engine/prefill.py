@@ -33,7 +33,7 @@ SHORT_SIZES = (32, 64, 128, 256, 512)
 
 def padded_sizes(longest: int = 512, chunk: int = 512) -> tuple[int, ...]:
     """The sizes whole prompts run at: SHORT_SIZES, then multiples of 512 up to `longest` that fit in a prefill
-    `chunk` (a longer prompt is not whole)."""
+    `chunk` (a longer prompt is not whole) and the KV cache's positions (`chunk` is the smaller)."""
     return SHORT_SIZES + tuple(range(1024, min(longest, chunk) + 1, 512))
 
 
