@@ -31,6 +31,8 @@ KERNELS = {
     "prefill-glue": ("rowwise", "qk_norm_rope_cache_kernel",
                      dict(HEADS=32, KV_HEADS=4, D=128, Q_STRIDE=128, ROT=128, BLOCK=128, ROWS=8, QK_NORM=1,
                           ZERO_CENTERED=0, MAP=1, OFFSETS=0)),
+    "prefill-wgmma-gate-up": ("expert_wgmma", "gate_up_kernel", dict(TOP_K=8, BM=128, STAGES=3, SPARSE=0)),
+    "prefill-wgmma-down": ("expert_wgmma", "down_kernel", dict(BM=128, STAGES=3, SPARSE=0)),
     "tile-counts": ("expert_tiles", "expert_counts_kernel", dict(BLOCK_E=128, CHUNK=1024, PADDED=0)),
     "tile-tables": ("expert_tiles", "tile_tables_kernel",
                     dict(E=128, BLOCK_E=128, SUM_ROWS=32, BM=256, TAIL_BM=64, TILES=64, PADDED=0)),
@@ -48,8 +50,13 @@ def compile_sm90(kernel: str, constants: dict, warps: int, stages: int):
     from triton.compiler import ASTSource
 
     module, name, defaults = KERNELS[kernel]
-    fn = getattr(importlib.import_module(f"moestream.kernels.triton.{module}"), name)
+    kernels = importlib.import_module(f"moestream.kernels.triton.{module}")
+    fn = getattr(kernels, name)
     const = {**GEOMETRY, **defaults, **constants}
+    if module == "expert_wgmma":  # Gluon: its layouts are constexprs too
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
+        const |= kernels.layouts(const["BM"], warps)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     signature = {}
     for arg in fn.arg_names:

@@ -19,6 +19,7 @@ import torch
 
 from moestream.experts.format import RecordLayout
 from moestream.experts.grouping import AddressedExperts, PlacedExperts, expert_order
+from moestream.kernels import expert_wgmma
 from moestream.kernels.launch import dependent, options
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "expert_mlp.json")
@@ -39,6 +40,7 @@ class TileConfig:
     masked_tail: int = 0  # decode: 1 = the columns past the whole BK chunks as one more chunk, masked, not in parts
     join: int = 0  # prefill: 1 = gate/up tiles of bn_gate_up / 2 gate rows and the same up rows, one MMA a step
     tail_bm: int = 0  # prefill: an expert's last tile of at most tail_bm entries goes in a launch of that height
+    wgmma: int = 0  # prefill: 1 = Q4 on Hopper's warpgroup MMA (expert_wgmma.py: 16 x num_warps weight rows a tile)
 
     @property
     def down(self) -> tuple[int, int]:
@@ -181,6 +183,9 @@ def launch_prefill(x: torch.Tensor, out: torch.Tensor, entries: torch.Tensor, ti
     hidden, inter, o = layout.hidden_size, layout.intermediate_size, _offsets(layout)
     bits, group, tiles = layout.bits, layout.group_size or 64, tile_addr.shape[0]
     h = torch.empty(entries.shape[0], inter, dtype=x.dtype, device=x.device) if h is None else h
+    if expert_wgmma.applies(cfg, layout, x, h, out):
+        expert_wgmma.launch(x, h, out, entries, tile_addr, tile_start, tile_count, layout, o, top_k, cfg, sparse)
+        return
     code_mask = _code_mask(bits)
     join = int(cfg.join and _joinable(layout))
     gate_up_kernel[(tiles, inter * (1 + join) // cfg.bn_gate_up)](
