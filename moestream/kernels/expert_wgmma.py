@@ -33,7 +33,7 @@ def applies(cfg, layout: RecordLayout, *tensors: torch.Tensor) -> bool:
     async copies move 16 bytes), a matrix's rows a whole number of BN = 16 x num_warps weight rows, on Hopper."""
     rows = 16 * cfg.num_warps
     return bool(cfg.wgmma and layout.bits == 4 and layout.group_size == 64 and cfg.bm in (64, 128, 256)
-                and cfg.num_warps in (4, 8) and cfg.num_stages >= 2 and layout.hidden_size % rows == 0
+                and cfg.num_warps in (4, 8) and cfg.num_stages >= 3 and layout.hidden_size % rows == 0
                 and layout.intermediate_size % max(64, rows // 2) == 0
                 and all(t.is_cuda and t.dtype == torch.bfloat16 and t.data_ptr() % 16 == 0 for t in tensors)
                 and _hopper(tensors[0].device.index or 0))
@@ -43,7 +43,7 @@ def launch(x: torch.Tensor, h: torch.Tensor, out: torch.Tensor, entries: torch.T
            tile_start: torch.Tensor, tile_count: torch.Tensor, layout: RecordLayout, offsets: dict, top_k: int, cfg,
            sparse: bool) -> None:
     """expert_mlp.launch_prefill's tiles (its tables, `h` and `out`) through the warpgroup-MMA kernels."""
-    from moestream.kernels.triton.expert_wgmma import down_kernel, gate_up_kernel
+    from moestream.kernels.triton.expert_wgmma import FIELD, down_kernel, gate_up_kernel
 
     shapes, o = _layouts(cfg.bm, cfg.num_warps), offsets
     hidden, inter, tiles, bn = layout.hidden_size, layout.intermediate_size, tile_addr.shape[0], 16 * cfg.num_warps
@@ -51,6 +51,6 @@ def launch(x: torch.Tensor, h: torch.Tensor, out: torch.Tensor, entries: torch.T
                   **shapes)
     gate_up_kernel[(tiles, inter // (bn // 2))](
         x, h, entries, tile_addr, tile_start, tile_count, o["gate_w"], o["gate_s"], o["gate_b"], o["up_w"],
-        o["up_s"], o["up_b"], TOP_K=top_k, **common)
+        o["up_s"], o["up_b"], FIELD, TOP_K=top_k, **common)
     down_kernel[(tiles, hidden // bn)](
-        h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_s"], o["down_b"], **common)
+        h, out, entries, tile_addr, tile_start, tile_count, o["down_w"], o["down_s"], o["down_b"], FIELD, **common)

@@ -14,7 +14,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("bm,warps,stages", [(256, 8, 3), (128, 8, 2), (64, 4, 3), (128, 4, 4)])
+@pytest.mark.parametrize("bm,warps,stages", [(256, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4, 4)])
 @pytest.mark.parametrize("hidden,inter", [(256, 192), (512, 128)])
 def test_matches_reference(bm, warps, stages, hidden, inter):
     from moestream.kernels import expert_wgmma
@@ -30,7 +30,7 @@ def test_tiles_it_does_not_take_run_on_triton():
     """Q3 codes, or a hidden size not a whole number of weight-row blocks: expert_mlp's kernels, the same result."""
     from moestream.kernels import expert_wgmma
 
-    cfg = TileConfig(128, 64, 64, 64, 64, 8, 2, wgmma=1)
+    cfg = TileConfig(128, 64, 64, 64, 64, 8, 3, wgmma=1)
     x = torch.zeros(1, 192, dtype=torch.bfloat16, device="cuda")
     assert not expert_wgmma.applies(cfg, RecordLayout.build("q3", 256, 128), x)
     assert not expert_wgmma.applies(cfg, RecordLayout.build("q4", 192, 128), x)

@@ -4,8 +4,8 @@ weight code dequantized in the register where the MMA reads it.
 Triton's kernel (expert_mlp.py) dequantizes a [BN, BK] weight tile where its words were loaded, then moves it
 through shared memory into the MMA's operand layout, behind three CTA barriers a K step. Here every thread loads
 the code words of its own MMA rows (the four lanes of a quad read the same words, each keeping two codes of each)
-and dequantizes straight into the operand, so a step is: dequantize step k + 1 while step k's MMA runs, wait for
-it, one barrier, issue the next. The entries' rows come through a ring of STAGES shared buffers by async copies.
+and dequantizes straight into the operand while the step before's MMA runs (two queued, operands alternating),
+one barrier a step. The entries' rows come through a ring of STAGES (>= 3) shared buffers by async copies.
 
 A program computes weight rows [BN = 16 x num_warps] against up to BM entries (tile_addr / tile_start /
 tile_count tables as expert_mlp.py's). Gate/up tiles interleave the two matrices by eight rows, so that each
@@ -15,16 +15,11 @@ thread holds a gate and an up value of the same column and entry (the accumulato
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    warpgroup_mma,
-    warpgroup_mma_init,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 BK = gl.constexpr(64)  # one scale group a K step
-FIELD = gl.constexpr(0xF << 19)  # a code placed in the top of fp32's mantissa: 1 + q / 16
-ONE = gl.constexpr(0x3F800000)
+FIELD = 0xF << 19  # a code placed in the top of fp32's mantissa (1 + q / 16): passed at run time, so that ptxas
+ONE = gl.constexpr(0x3F800000)  # fuses the AND with the OR of ONE into one LOP3
 
 
 def layouts(bm: int, num_warps: int) -> dict:
@@ -80,15 +75,15 @@ def _step_codes(words, s_ptr, b_ptr, k):
 
 
 @gluon.jit
-def _dequantized(w, s, b, A: gl.constexpr, BN: gl.constexpr, WORDS: gl.constexpr):
+def _dequantized(w, s, b, field, A: gl.constexpr, BN: gl.constexpr, WORDS: gl.constexpr):
     """Words [BN, 8, 4] (lane t of a quad keeps nibbles 2t, 2t + 1 of each) -> the MMA's operand [BN, BK] bf16:
     column 8 j + 2 t + e is nibble 2 t + e of word j."""
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
     v = w >> gl.expand_dims(gl.expand_dims(t * 8, 0), 1)
     s1 = s.to(gl.float32) * 16.0
     b1 = b.to(gl.float32) - s1
-    even = ((v << 19) & FIELD | ONE).to(gl.float32, bitcast=True) * s1 + b1
-    odd = ((v << 15) & FIELD | ONE).to(gl.float32, bitcast=True) * s1 + b1
+    even = ((v << 19) & field | ONE).to(gl.float32, bitcast=True) * s1 + b1
+    odd = ((v << 15) & field | ONE).to(gl.float32, bitcast=True) * s1 + b1
     codes = gl.reshape(gl.join(even.to(gl.bfloat16), odd.to(gl.bfloat16)), [BN, BK])
     return gl.convert_layout(codes, A)
 
@@ -106,43 +101,42 @@ def _copy_rows(ring, stage, x_ptr, x_rows, valid, k, K: gl.constexpr, KSTEPS: gl
 @gluon.jit
 def _issue(acc, a, ring, k, x_ptr, x_rows, valid, K: gl.constexpr, KSTEPS: gl.constexpr, STAGES: gl.constexpr,
            ROWS: gl.constexpr):
-    """Step k's MMA once every thread's copies of its rows are in (the caller has waited for step k - 1's); then
-    the buffer step k - 1 read takes the rows of step k - 1 + STAGES."""
-    async_copy.wait_group(STAGES - 2)
+    """Step k's MMA, queued behind step k - 1's, once every thread's copies of its rows are in; the barrier also
+    finds every warp past step k - 2's MMA, whose buffer then takes the rows of step k - 2 + STAGES."""
+    async_copy.wait_group(STAGES - 3)
     fence_async_shared()
     gl.thread_barrier()
     acc = warpgroup_mma(a, ring.index(k % STAGES).permute((1, 0)), acc, is_async=True)
-    _copy_rows(ring, (k + STAGES - 1) % STAGES, x_ptr, x_rows, valid, k + STAGES - 1, K, KSTEPS, ROWS)
+    _copy_rows(ring, (k + STAGES - 2) % STAGES, x_ptr, x_rows, valid, k + STAGES - 2, K, KSTEPS, ROWS)
     return acc
 
 
 @gluon.jit
-def _product(x_ptr, x_rows, valid, words, s_ptr, b_ptr, K: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+def _product(x_ptr, x_rows, valid, words, s_ptr, b_ptr, field, K: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
              STAGES: gl.constexpr, WORDS: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr, ROWS: gl.constexpr,
              RING: gl.constexpr):
     """acc [BN, BM] fp32: the weight rows (codes at `words`, groups at s_ptr / b_ptr) times the rows x_rows [BM]
-    of x [*, K] (valid ones; the others read as zeros). Steps go in pairs with operands of their own, a0 and a1,
-    so that one step's codes dequantize while the other's MMA reads its registers (one operand for every step
-    puts ptxas's wait for the MMA before the next step's dequantization)."""
+    of x [*, K] (valid ones; the others read as zeros). Two MMAs stay queued: step k's codes dequantize into the
+    operand registers step k - 2 read, while step k - 1's MMA runs (steps alternate between operands a0 and a1);
+    the rows are copied STAGES - 2 steps ahead."""
     KSTEPS: gl.constexpr = K // BK
     ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, x_rows.shape[0], BK], RING)
-    for k in gl.static_range(STAGES - 1):
+    for k in gl.static_range(STAGES - 2):
         _copy_rows(ring, k, x_ptr, x_rows, valid, k, K, KSTEPS, ROWS)
-    acc = warpgroup_mma_init(gl.zeros([BN, BM], gl.float32, ACC))  # the loop carries an MMA's pending result
+    acc = gl.zeros([BN, BM], gl.float32, ACC)
     a1 = gl.zeros([BN, BK], gl.bfloat16, A)
     w, s, b = _step_codes(words, s_ptr, b_ptr, 0)
     for k in range(0, KSTEPS - 1, 2):
-        a0 = _dequantized(w, s, b, A, BN, WORDS)  # step k, while step k - 1's MMA runs
+        a0 = _dequantized(w, s, b, field, A, BN, WORDS)  # step k, while step k - 1's MMA runs
         w, s, b = _step_codes(words, s_ptr, b_ptr, k + 1)
-        acc, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a1))
         acc = _issue(acc, a0, ring, k, x_ptr, x_rows, valid, K, KSTEPS, STAGES, ROWS)
-        a1 = _dequantized(w, s, b, A, BN, WORDS)  # step k + 1
+        acc, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a1))  # step k - 1's is done
+        a1 = _dequantized(w, s, b, field, A, BN, WORDS)  # step k + 1
         w, s, b = _step_codes(words, s_ptr, b_ptr, gl.minimum(k + 2, KSTEPS - 1))
-        acc, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0))
         acc = _issue(acc, a1, ring, k + 1, x_ptr, x_rows, valid, K, KSTEPS, STAGES, ROWS)
+        acc, a0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0))
     if KSTEPS % 2:  # the last step
-        a0 = _dequantized(w, s, b, A, BN, WORDS)
-        acc, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a1))
+        a0 = _dequantized(w, s, b, field, A, BN, WORDS)
         acc = _issue(acc, a0, ring, KSTEPS - 1, x_ptr, x_rows, valid, K, KSTEPS, STAGES, ROWS)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
@@ -172,7 +166,7 @@ def _store(ptr, out, rows, cols, stride, valid, STORE: gl.constexpr):
 
 @gluon.jit
 def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr,
-                   off_gw, off_gs, off_gb, off_uw, off_us, off_ub, H: gl.constexpr, I: gl.constexpr,
+                   off_gw, off_gs, off_gb, off_uw, off_us, off_ub, field, H: gl.constexpr, I: gl.constexpr,
                    TOP_K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
                    BN: gl.constexpr, WORDS: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr, ROWS: gl.constexpr,
                    RING: gl.constexpr, STORE: gl.constexpr):
@@ -185,7 +179,7 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
                                     gl.SliceLayout(1, ROWS))
     first = gl.program_id(1) * (BN // 2)
     words, s, b = _weight_rows(base, off_gw, off_gs, off_gb, off_uw, off_us, off_ub, first, H, BN, True, WORDS)
-    acc = _product(x_ptr, entry // TOP_K, valid, words, s, b, H, BN, BM, STAGES, WORDS, ACC, A, ROWS, RING)
+    acc = _product(x_ptr, entry // TOP_K, valid, words, s, b, field, H, BN, BM, STAGES, WORDS, ACC, A, ROWS, RING)
     gate, up = gl.split(gl.permute(gl.reshape(acc, [BN // 16, 2, 8, BM]), (0, 2, 3, 1)))
     h = gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [BN // 2, BM])
     cols = first + gl.arange(0, BN // 2, layout=gl.SliceLayout(1, STORE))
@@ -193,7 +187,7 @@ def gate_up_kernel(x_ptr, h_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, til
 
 
 @gluon.jit
-def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, off_dw, off_ds, off_db,
+def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_count_ptr, off_dw, off_ds, off_db, field,
                 H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
                 BN: gl.constexpr, WORDS: gl.constexpr, ACC: gl.constexpr, A: gl.constexpr, ROWS: gl.constexpr,
                 RING: gl.constexpr, STORE: gl.constexpr):
@@ -206,6 +200,6 @@ def down_kernel(h_ptr, y_ptr, entries_ptr, tile_addr_ptr, tile_start_ptr, tile_c
                                     gl.SliceLayout(1, ROWS))
     first = gl.program_id(1) * BN
     words, s, b = _weight_rows(base, off_dw, off_ds, off_db, off_dw, off_ds, off_db, first, I, BN, False, WORDS)
-    acc = _product(h_ptr, pos, valid, words, s, b, I, BN, BM, STAGES, WORDS, ACC, A, ROWS, RING)
+    acc = _product(h_ptr, pos, valid, words, s, b, field, I, BN, BM, STAGES, WORDS, ACC, A, ROWS, RING)
     cols = first + gl.arange(0, BN, layout=gl.SliceLayout(1, STORE))
     _store(y_ptr, acc, entry, cols, H, valid, STORE)
