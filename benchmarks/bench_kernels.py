@@ -210,8 +210,7 @@ PREFILL_FIRST = [
     TileConfig(256, 64, 64, 64, 64, 16, 3), TileConfig(128, 64, 64, 128, 128, 8, 4),
     TileConfig(128, 64, 64, 64, 128, 4, 3),
     # Q4 on Hopper's warpgroup MMA (expert_wgmma.py; BN = 16 x warps weight rows, the bn/bk fields are Q3/Q2's
-    # tiles): offline sm_90, BM 128 at 8 warps 177 registers, BM 256 255 (ptxas then serializes dequantization and
-    # MMA); the Triton tiles above take 239
+    # tiles): offline sm_90, BM 128 at 8 warps 206 registers, BM 256 255 and spills; the Triton tiles above take 239
     TileConfig(128, 64, 64, 128, 64, 8, 3, wgmma=1), TileConfig(256, 64, 64, 128, 64, 8, 3, wgmma=1),
     TileConfig(128, 64, 64, 128, 64, 8, 4, wgmma=1), TileConfig(64, 64, 64, 128, 64, 4, 3, wgmma=1)]
 
