@@ -47,12 +47,15 @@ def test_padding_changes_nothing_of_the_prompts_own_rows(tiny, model_type):
         llm.close()
 
 
-def test_only_a_whole_short_prompt_of_a_model_without_row_state_is_padded(tiny):
+def test_only_whole_prompts_within_the_graph_tokens_of_a_model_without_row_state_are_padded(tiny):
     moe, hybrid = (LLM(tiny.store(t), device="cpu") for t in ("qwen3_moe", "qwen3_next"))
     try:
         assert moe.prefiller.rows(40) == 64 and moe.prefiller.rows(600) == 600
         longer = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_graph_tokens=1024)
         assert longer.prefiller.rows(600) == 1024
+        ids, params = prompt_of(moe, 600, seed=5), SamplingParams(max_tokens=4)
+        padded, plain = (llm.generate([ids], params)[0] for llm in (longer, moe))  # 600 rows run at 1024, and not
+        assert padded.token_ids == plain.token_ids
         longer.close()
         assert not hybrid.model.pads_prompts and hybrid.prefiller.rows(40) == 40
         state = moe.model.new_state(moe.dtype, moe.device)
