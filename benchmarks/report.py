@@ -62,6 +62,25 @@ def targets(runs: list[dict]) -> list[str]:
     return lines
 
 
+def against_llamacpp(runs: list[dict], model: str) -> list[str]:
+    """Issue 32: each moestream row beside the best llama.cpp variant of the same scenario, pool and host tier."""
+    def key(r):
+        return r["scenario"], r["tokens"], r["pool"], r["host_tier"]
+
+    peers: dict[tuple, dict] = {}
+    for r in (r for r in runs if r["engine"].startswith("llama.cpp") and _model(r) == model):
+        if r["rate"] > peers.get(key(r), {}).get("rate", 0):
+            peers[key(r)] = r
+    lines = ["| scenario | pool | host tier | moestream | llama.cpp | ratio | ahead |", "|" + "---|" * 7]
+    for r in sorted((r for r in runs if r["engine"] == "moestream" and _model(r) == model and key(r) in peers),
+                    key=lambda r: (r["scenario"], r["tokens"], -r["pool"])):
+        peer = peers[key(r)]
+        lines.append(f"| {r['scenario']} {r['tokens']} | {r['pool']:.0%} | {'on' if r['host_tier'] else 'off'} | "
+                     f"{_fmt(r['rate'])} | {_fmt(peer['rate'])} ({peer['engine']}) | {r['rate'] / peer['rate']:.2f}x | "
+                     f"{'yes' if r['rate'] >= peer['rate'] else 'no'} |")
+    return lines if len(lines) > 2 else []
+
+
 def low_bit(runs: list[dict]) -> list[str]:
     """Issue 8: bytes moved (host + disk) per token and tok/s of each low-bit mode against Q4 in the same scenario
     (the "moestream q4" rows when the suite ran them, else the Q4 row of that pool and tier)."""
@@ -98,6 +117,9 @@ def write_report(path: str) -> None:
     out += [f"Note: {note}\n" for note in state.get("notes", [])]
     for model in sorted({_model(r) for r in runs}):
         out += [f"## {model}", "", *table(runs, model), ""]
+        if versus := against_llamacpp(runs, model):
+            out += ["Against llama.cpp (issue 32; docs/performance.md says where moestream is behind, and why):", "",
+                    *versus, ""]
         failed = [f"{r['engine']}: {r['error']}" for r in runs if _model(r) == model and r.get("error")]
         if failed:  # a peer this machine could not run, and why
             out += ["Peers that did not run: " + "; ".join(failed), ""]
