@@ -147,6 +147,11 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
     resident-profile) q30s  # a resident 4096 prefill by kernel, and where its GPU waits
       timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --rounds 1 --profile 4096 --trace 4096 2>&1 \
         | tee "$OUT/profile.log" | grep -v Warning | head -45 ;;
+    flash-next-profile)  # a 12-layer Flash-Next slice resident: its 4096 prefill by kernel, and where its GPU waits
+      [ -f "$WORK/fn12/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn12" --geometry qwen3.8-flash-next \
+        --layers 12 --ngram-rows 1000000 --precisions q4,q2 --sparse q4 > "$OUT/fn12.log" 2>&1
+      timeout 200 python -m benchmarks.probes.resident "$WORK/fn12" --lengths 4096 --rounds 3 --profile 4096 \
+        --trace 4096 2>&1 | tee "$OUT/fn-profile.log" | grep -v Warning | head -45 ;;
     ab-batching)  # 30B resident, 1 and 16 streams, by the tree at .device/base.tgz and by this one, interleaved
       q30s
       interleaved ab_batching ;;
