@@ -49,14 +49,12 @@ def test_padding_changes_nothing_of_the_prompts_own_rows(tiny, model_type):
 
 def test_only_whole_prompts_within_the_graph_tokens_of_a_model_without_row_state_are_padded(tiny):
     moe, hybrid = (LLM(tiny.store(t), device="cpu") for t in ("qwen3_moe", "qwen3_next"))
+    longer = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_graph_tokens=1024)
     try:
-        assert moe.prefiller.rows(40) == 64 and moe.prefiller.rows(600) == 600
-        longer = LLM(tiny.store("qwen3_moe"), device="cpu", prefill_graph_tokens=1024)
-        assert longer.prefiller.rows(600) == 1024
+        assert moe.prefiller.rows(40) == 64 and moe.prefiller.rows(600) == 600 and longer.prefiller.rows(600) == 1024
         ids, params = prompt_of(moe, 600, seed=5), SamplingParams(max_tokens=4)
         padded, plain = (llm.generate([ids], params)[0] for llm in (longer, moe))  # 600 rows run at 1024, and not
         assert padded.token_ids == plain.token_ids
-        longer.close()
         assert not hybrid.model.pads_prompts and hybrid.prefiller.rows(40) == 40
         state = moe.model.new_state(moe.dtype, moe.device)
         first = moe.prefiller(prompt_of(moe, 40), state)
@@ -65,8 +63,8 @@ def test_only_whole_prompts_within_the_graph_tokens_of_a_model_without_row_state
         more = moe.prefiller(prompt_of(moe, 8, seed=3), state)  # after the first forward: as it comes
         assert more.shape[0] == 8 and state.length == 48
     finally:
-        moe.close()
-        hybrid.close()
+        for llm in (moe, hybrid, longer):
+            llm.close()
 
 
 @pytest.mark.gpu

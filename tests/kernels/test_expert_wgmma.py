@@ -1,5 +1,5 @@
 """The Q4 prefill tiles on Hopper's warpgroup MMA (kernels/expert_wgmma.py) equal the reference: tile heights of
-64-256 entries, 4 and 8 warps, 2-4 stages, tiles holding fewer entries than their height, a K of an odd number of
+64-256 entries, 4 and 8 warps, 3-4 stages, tiles holding fewer entries than their height, a K of an odd number of
 steps (down's 192), and the tiles they do not take left to the Triton kernels."""
 
 import pytest
