@@ -209,10 +209,11 @@ PREFILL_FIRST = [
     TileConfig(256, 64, 64, 64, 64, 8, 2), TileConfig(256, 32, 64, 64, 64, 8, 3),
     TileConfig(256, 64, 64, 64, 64, 16, 3), TileConfig(128, 64, 64, 128, 128, 8, 4),
     TileConfig(128, 64, 64, 64, 128, 4, 3),
-    # Q4 on Hopper's warpgroup MMA (expert_wgmma.py; BN = 16 x warps weight rows, the bn/bk fields are Q3/Q2's
-    # tiles): offline sm_90, BM 128 at 8 warps 206 registers, BM 256 255 and spills; the Triton tiles above take 239
-    TileConfig(128, 64, 64, 128, 64, 8, 3, wgmma=1), TileConfig(256, 64, 64, 128, 64, 8, 3, wgmma=1),
-    TileConfig(128, 64, 64, 128, 64, 8, 4, wgmma=1), TileConfig(64, 64, 64, 128, 64, 4, 3, wgmma=1)]
+    # Q4 on Hopper's warpgroup MMA (expert_wgmma.py; BN = 16 x warps weight rows; the other fields are the Triton
+    # tiles of what it does not take: Q3/Q2, tails under BM 64): offline sm_90, BM 128 at 8 warps 206 registers,
+    # BM 256 255 and spills; the Triton tiles above take 239
+    *(TileConfig(bm, 128, 64, 128, 64, w, s, swap=1, join=1, wgmma=1) for bm, w, s in
+      [(128, 8, 3), (256, 8, 3), (128, 8, 4), (64, 4, 3)])]
 
 
 def prefill_configs(quick: bool):
