@@ -23,6 +23,10 @@ q30s() {  # the 48-layer 30B geometry, its Q4 records holes in a sparse file (no
   [ -f "$WORK/q30s/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
 build('$WORK/q30s', 'qwen3-30b', sparse=('q4',))" > "$OUT/q30s.log" 2>&1
 }
+fn12() {  # a 12-layer Flash-Next slice, Q4 records holes in a sparse file, Q2 beside them
+  [ -f "$WORK/fn12/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn12" --geometry qwen3.8-flash-next \
+    --layers 12 --ngram-rows 1000000 --precisions q4,q2 --sparse q4 > "$OUT/fn12.log" 2>&1
+}
 wait_stores() { [ -f "$WORK/stores.pid" ] && while kill -0 "$(cat "$WORK/stores.pid")" 2>/dev/null; do sleep 2; done; true; }
 suite() {  # suite SECONDS STAGE ARGS...: the state is carried in $STATE between stages and calls
   local limit=$1; shift
@@ -47,6 +51,10 @@ ab_fn4() {
 }
 ab_prefill() {
   timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --tag "$tag" 2>&1 | grep '"tag"' | tee -a "$OUT/ab-prefill.log"
+}
+ab_fn_prefill() {
+  timeout 200 python -m benchmarks.probes.resident "$WORK/fn12" --tag "$tag" --lengths 4096 --rounds 3 2>&1 \
+    | grep '"tag"' | tee -a "$OUT/ab-fn-prefill.log"
 }
 ab_batching() {
   timeout 120 python -m benchmarks.batching "$WORK/q30s" /tmp/ab.json --streams 1,16 ${BATCH_ARGS:-} > /dev/null 2>&1 \
@@ -148,16 +156,17 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
       timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --rounds 1 --profile 4096 --trace 4096 2>&1 \
         | tee "$OUT/profile.log" | grep -v Warning | head -45 ;;
     flash-next-profile)  # a 12-layer Flash-Next slice resident: its 4096 prefill by kernel, and where its GPU waits
-      [ -f "$WORK/fn12/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn12" --geometry qwen3.8-flash-next \
-        --layers 12 --ngram-rows 1000000 --precisions q4,q2 --sparse q4 > "$OUT/fn12.log" 2>&1
+      fn12
       timeout 200 python -m benchmarks.probes.resident "$WORK/fn12" --lengths 4096 --rounds 3 --profile 4096 \
         --trace 4096 2>&1 | tee "$OUT/fn-profile.log" | grep -v Warning | head -45 ;;
+    ab-fn-prefill)  # the same slice's resident 4096 prefill and decode by the tree at .device/base.tgz and by this one
+      fn12
+      interleaved ab_fn_prefill ;;
     ab-batching)  # 30B resident, 1 and 16 streams, by the tree at .device/base.tgz and by this one, interleaved
       q30s
       interleaved ab_batching ;;
     ab-mixed)  # Q4 with Q2 misses on a 12-layer Flash-Next slice (25% pool + host), base tree and this one, interleaved
-      [ -f "$WORK/fn12/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn12" --geometry qwen3.8-flash-next \
-        --layers 12 --ngram-rows 1000000 --precisions q4,q2 --sparse q4 > "$OUT/fn12.log" 2>&1
+      fn12
       interleaved ab_mixed ;;
     ab-speculation)  # the demo model's speculation table (benchmarks/speculation.py) by the base tree and this one
       interleaved ab_speculation ;;
