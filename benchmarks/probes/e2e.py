@@ -144,8 +144,9 @@ def gaps(path: str, top: int = 8) -> dict:
     with gzip.open(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if "dur" in e]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")]
-    launched = {e["args"].get("correlation"): e["ts"] for e in events if e.get("cat") == "cuda_runtime"}
+    calls = ("cuda_runtime", "cuda_driver")  # Triton launches through the driver API
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", *calls)]
+    launched = {e["args"].get("correlation"): e["ts"] for e in events if e.get("cat") in calls}
     if not kernels or not host:
         return {}
     spans = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])

@@ -11,7 +11,7 @@ def test_gaps_split_a_blocks_wall_into_lead_busy_idle_and_tail(tmp_path):
     events = [{"cat": "cpu_op", "name": "generate", "ts": 0, "dur": 1000},
               {"cat": "cuda_runtime", "name": "launch", "ts": 10, "dur": 5, "args": {"correlation": 1}},
               {"cat": "kernel", "name": "norm", "ts": 100, "dur": 100, "args": {"correlation": 1}},
-              {"cat": "cuda_runtime", "name": "launch", "ts": 290, "dur": 5, "args": {"correlation": 2}},
+              {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 290, "dur": 5, "args": {"correlation": 2}},
               {"cat": "kernel", "name": "gemm", "ts": 300, "dur": 100, "args": {"correlation": 2}},
               {"cat": "kernel", "name": "add", "ts": 350, "dur": 100, "args": {"correlation": 3}}]
     path = tmp_path / "trace.json.gz"
