@@ -23,6 +23,10 @@ q30s() {  # the 48-layer 30B geometry, its Q4 records holes in a sparse file (no
   [ -f "$WORK/q30s/manifest.json" ] || python -c "from benchmarks.synthetic import build; \
 build('$WORK/q30s', 'qwen3-30b', sparse=('q4',))" > "$OUT/q30s.log" 2>&1
 }
+profile() {  # profile STORE LOG ARGS...: a resident 4096 prefill by kernel, and where its GPU waits
+  timeout 200 python -m benchmarks.probes.resident "$1" --profile 4096 --trace 4096 "${@:3}" 2>&1 | tee "$OUT/$2" \
+    | grep -v Warning | head -45
+}
 fn12() {  # a 12-layer Flash-Next slice, Q4 records holes in a sparse file, Q2 beside them
   [ -f "$WORK/fn12/manifest.json" ] || python -m benchmarks.synthetic "$WORK/fn12" --geometry qwen3.8-flash-next \
     --layers 12 --ngram-rows 1000000 --precisions q4,q2 --sparse q4 > "$OUT/fn12.log" 2>&1
@@ -152,13 +156,8 @@ print(min(6000, int(r['tokens_per_s'] * ${TRAIN_SECONDS:-330} / 32768)))" "$WORK
         timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --tag "graphs-$g" --prefill-graph-tokens $g \
           --lengths 512,2000,4096 2>&1 | grep '"tag"' | tee -a "$OUT/ab-graphs.log"
       done ;;
-    resident-profile) q30s  # a resident 4096 prefill by kernel, and where its GPU waits
-      timeout 150 python -m benchmarks.probes.resident "$WORK/q30s" --rounds 1 --profile 4096 --trace 4096 2>&1 \
-        | tee "$OUT/profile.log" | grep -v Warning | head -45 ;;
-    flash-next-profile)  # a 12-layer Flash-Next slice resident: its 4096 prefill by kernel, and where its GPU waits
-      fn12
-      timeout 200 python -m benchmarks.probes.resident "$WORK/fn12" --lengths 4096 --rounds 3 --profile 4096 \
-        --trace 4096 2>&1 | tee "$OUT/fn-profile.log" | grep -v Warning | head -45 ;;
+    resident-profile) q30s; profile "$WORK/q30s" profile.log --rounds 1 ;;  # the 48-layer 30B
+    flash-next-profile) fn12; profile "$WORK/fn12" fn-profile.log --lengths 4096 --rounds 3 ;;  # a 12-layer slice
     ab-fn-prefill)  # the same slice's resident 4096 prefill and decode by the tree at .device/base.tgz and by this one
       fn12
       interleaved ab_fn_prefill ;;

@@ -120,13 +120,18 @@ def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) ->
     return total
 
 
+def _spans(path: str) -> list[dict]:
+    """A gzipped Chrome trace's events that have a duration."""
+    with gzip.open(path, "rt") as f:
+        return [e for e in json.load(f)["traceEvents"] if "dur" in e]
+
+
 def summarize(path: str) -> dict:
     """Seconds, from a gzipped Chrome trace: `copy` (host-to-device copies busy), `compute` (kernels busy),
     `both` (at once), `wall` (first GPU event to last), `idle` (neither)."""
-    with gzip.open(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy" and "dur" in e]
-    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e]
+    events = _spans(path)
+    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy"]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
     copy, compute = _union(copies), _union(kernels)
     busy = _union(copy + compute)
     if not busy:
@@ -141,8 +146,7 @@ def gaps(path: str, top: int = 8) -> dict:
     event to its first kernel), `busy` and `idle` between its first kernel and its last, `tail` (the last kernel's
     end to the block's last host event), and the `top` longest idle gaps, each with the kernels around it and how
     long before its end the host launched the next (near 0: the GPU waited for the host's launch)."""
-    with gzip.open(path, "rt") as f:
-        events = [e for e in json.load(f)["traceEvents"] if "dur" in e]
+    events = _spans(path)
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     calls = ("cuda_runtime", "cuda_driver")  # Triton launches through the driver API
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", *calls)]

@@ -46,7 +46,7 @@ def launch(x: torch.Tensor, h: torch.Tensor, out: torch.Tensor, entries: torch.T
     from moestream.kernels.triton.expert_wgmma import FIELD, down_kernel, gate_up_kernel
 
     shapes, o = _layouts(cfg.bm, cfg.num_warps), offsets
-    hidden, inter, tiles, bn = layout.hidden_size, layout.intermediate_size, tile_addr.shape[0], 16 * cfg.num_warps
+    hidden, inter, tiles, bn = layout.hidden_size, layout.intermediate_size, tile_addr.shape[0], shapes["BN"]
     common = dict(H=hidden, I=inter, BM=cfg.bm, STAGES=cfg.num_stages, SPARSE=sparse, num_warps=cfg.num_warps,
                   **shapes)
     gate_up_kernel[(tiles, inter // (bn // 2))](
